@@ -1,0 +1,6 @@
+"""ShadowKV core: config, model loading and decoder, dense and ShadowKV caches, the PyTorch reference of every
+decode step, the engine (sequence, scheduler, runner, sampler), the memory model and NUMA placement.
+
+May import torch, transformers (model loading only) and `kernels`; never ray or `serve_app`: the engine runs and is
+benchmarked without Ray Serve.
+"""
