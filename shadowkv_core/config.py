@@ -1,0 +1,113 @@
+"""Configuration: small frozen dataclasses validated on construction, plus named presets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ShadowKVConfig:
+    """How a long sequence's KV cache is kept "in shadows" (glossary in DESIGN.md).
+
+    rank: kept rank of the pre-RoPE key factorisation over all KV heads of a layer concatenated.
+    chunk_size: tokens per chunk. sparse_budget: tokens selected per KV head per decode step.
+    outlier_chunks / local_chunks: chunks kept exact on the GPU. min_context: prompts shorter than this stay dense.
+    decode_window: generated tokens kept exact; when full, its older half is folded into the shadow.
+    """
+
+    rank: int = 160
+    chunk_size: int = 8
+    sparse_budget: int = 2048
+    outlier_chunks: int = 48
+    local_chunks: int = 4
+    min_context: int = 4096
+    decode_window: int = 512
+
+    def __post_init__(self):
+        _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        _require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        _require(self.sparse_budget >= self.chunk_size,
+                 f"sparse_budget ({self.sparse_budget}) must be at least one chunk ({self.chunk_size} tokens)")
+        _require(self.sparse_budget % self.chunk_size == 0,
+                 f"sparse_budget ({self.sparse_budget}) must be a multiple of chunk_size ({self.chunk_size})")
+        _require(self.outlier_chunks >= 0, f"outlier_chunks must be >= 0, got {self.outlier_chunks}")
+        _require(self.local_chunks >= 1, f"local_chunks must be >= 1, got {self.local_chunks}")
+        _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
+        _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,
+                 f"decode_window ({self.decode_window}) must be a positive multiple of 2*chunk_size "
+                 f"({2 * self.chunk_size}): its older half is folded into the shadow chunk by chunk")
+
+    @property
+    def budget_chunks(self) -> int:
+        return self.sparse_budget // self.chunk_size
+
+    def check_model(self, num_kv_heads: int, head_dim: int) -> None:
+        """Raise if this config cannot apply to a model of this geometry."""
+        width = num_kv_heads * head_dim
+        _require(self.rank <= width,
+                 f"rank ({self.rank}) is larger than kv_heads*head_dim ({num_kv_heads}*{head_dim}={width}) "
+                 "of this model: the pre-RoPE keys have no more than that many dimensions")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine (one replica, one device) serves and how much memory it may use.
+
+    model: local directory with config.json + safetensors, or a hub id (needs a network).
+    dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU), "float32", "float16" or "bfloat16".
+    max_model_len: longest prompt + generation; None takes the model's max_position_embeddings.
+    gpu_cache_gib / host_cache_gib: memory for the KV caches on the device and for pinned host values;
+        None derives them (device free memory x gpu_memory_utilization; 1 GiB each on CPU).
+    prefill_chunk_tokens: tokens computed at once inside a layer during prefill (bounds activation memory).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    shadowkv: ShadowKVConfig | None = field(default_factory=ShadowKVConfig)
+    gpu_cache_gib: float | None = None
+    host_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    prefill_chunk_tokens: int = 8192
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(bool(self.model), "model must name a local directory or a hub id")
+        _require(self.dtype == "auto" or self.dtype in _DTYPES,
+                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.prefill_chunk_tokens >= 1, f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        for name in ("gpu_cache_gib", "host_cache_gib"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be > 0, got {value}")
+        torch.device(self.device)  # raises a RuntimeError naming a malformed device string
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if torch.device(self.device).type == "cpu":
+            return torch.float32
+        return checkpoint_dtype or torch.bfloat16
+
+
+PRESETS = {
+    "paper": ShadowKVConfig(),  # Llama-3.1-8B at 1.56 % of 128K, the paper's setting
+    "small": ShadowKVConfig(rank=40, chunk_size=8, sparse_budget=256, outlier_chunks=8, local_chunks=4,
+                            min_context=1024, decode_window=128),
+}
