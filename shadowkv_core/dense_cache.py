@@ -1,0 +1,112 @@
+"""Dense paged KV cache: post-RoPE keys and values of every token, in fixed-size blocks addressed through a
+per-sequence block table (the vLLM layout). Used for full attention and for sequences too short for ShadowKV."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import AttentionMetadata, KVCache, attention_ref, prefill_attention_ref
+
+
+class BlockAllocator:
+    """Free list of fixed-size blocks (or pages); CPU bookkeeping only."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} blocks, {len(self._free)} of {self.num_blocks} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class DenseKVCache(KVCache):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str, scale: float, prefill_chunk_tokens: int = 8192):
+        self.block_size = block_size
+        self.scale = scale
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)  # blocks flattened to token rows
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.blocks = BlockAllocator(num_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._rows_cache: tuple[int, torch.Tensor] | None = None
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_free
+
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already holds cache blocks")
+        self.block_tables[seq_id] = self.blocks.alloc(self.blocks_needed(prompt_len + max_new_tokens))
+        self.lengths[seq_id] = 0
+
+    def free(self, seq_id: int) -> None:
+        self.blocks.free(self.block_tables.pop(seq_id))
+        del self.lengths[seq_id]
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self.block_tables
+
+    def token_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Row indices into the flattened pool of the sequence's tokens [start, end)."""
+        table = torch.tensor(self.block_tables[seq_id], dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.k.device)
+
+    def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
+        # The same rows serve every layer of a forward: build them once per metadata object.
+        if self._rows_cache is None or self._rows_cache[0] != id(meta):
+            rows = [self.token_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]
+            self._rows_cache = (id(meta), torch.cat(rows))
+        return self._rows_cache[1]
+
+    def attend(self, layer, q, k_pre, k_rot, v, meta):
+        rows = self._write_rows(meta)
+        self.k[layer, rows] = k_rot
+        self.v[layer, rows] = v
+        out = torch.empty_like(q)
+        for start, n, seq_id, ctx in zip(meta.query_starts, meta.query_lens, meta.seq_ids, meta.context_lens):
+            q_i = q[start:start + n]  # (n, Hq, d)
+            if ctx == 0:
+                out[start:start + n] = prefill_attention_ref(q_i, k_rot[start:start + n], v[start:start + n],
+                                                             self.scale, self.prefill_chunk_tokens)
+                continue
+            seq_rows = self.token_rows(seq_id, 0, ctx + n)
+            out[start:start + n] = attention_ref(q_i, self.k[layer, seq_rows], self.v[layer, seq_rows],
+                                                 self.scale, causal=True)
+        return out
+
+    def finish_forward(self, meta):
+        for seq_id, n in zip(meta.seq_ids, meta.query_lens):
+            self.lengths[seq_id] += n
+        self._rows_cache = None
+
+    def stats(self):
+        num_blocks = self.blocks.num_blocks
+        block_bytes = (self.k.numel() + self.v.numel()) * self.k.element_size() // num_blocks
+        return {
+            "num_seqs": len(self.block_tables),
+            "gpu_blocks_used": num_blocks - self.blocks.num_free,
+            "gpu_bytes_in_use": (num_blocks - self.blocks.num_free) * block_bytes,
+            "host_bytes_in_use": 0,
+        }
