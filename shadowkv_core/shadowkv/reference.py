@@ -1,0 +1,135 @@
+"""ShadowKV, one pure function per step: the executable documentation and the oracle of the Triton kernels.
+
+Shapes: S tokens, C chunk_size, n chunks, Hq query heads, Hkv KV heads (G = Hq // Hkv per group), d head_dim,
+r rank, K budget chunks, O outlier chunks. Math that loses precision in low precision (Gram matrix, eigh, RoPE,
+rebuild, softmax over landmarks) runs in fp32; results come back in the inputs' dtype unless said otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from shadowkv_core.attention import attention_ref
+
+
+def factorize_keys(k_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-r factorisation of one layer's pre-RoPE keys, all KV heads concatenated.
+
+    k_pre (S, Hkv, d) -> U (S, r) fp32, SV (Hkv, r, d) fp32, with k_pre[:, h] ~= U @ SV[h].
+    K_cat (S, Hkv*d) = U V_rᵀ where V_r (Hkv*d, r) holds the top-r eigenvectors of K_catᵀ K_cat (the right singular
+    vectors, without a full SVD) and U = K_cat V_r. At r = Hkv*d, V_r is orthogonal and the rebuild is exact."""
+    S, Hkv, d = k_pre.shape
+    k_cat = k_pre.reshape(S, Hkv * d).float()  # (S, Hkv*d)
+    _, eigvecs = torch.linalg.eigh(k_cat.T @ k_cat)  # ascending eigenvalues; (Hkv*d, Hkv*d)
+    v_r = eigvecs[:, -rank:].flip(-1)  # (Hkv*d, r), largest first
+    u = k_cat @ v_r  # (S, r)
+    sv = v_r.T.reshape(rank, Hkv, d).transpose(0, 1).contiguous()  # (Hkv, r, d)
+    return u, sv
+
+
+def project_keys(k_pre: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
+    """U rows of new tokens on an existing basis (folding generated tokens into the shadow).
+
+    k_pre (n, Hkv, d), SV (Hkv, r, d) -> U rows (n, r) fp32: K_cat V_r, V_r's rows being SV's rows per head."""
+    return torch.einsum("nhd,hrd->nr", k_pre.float(), sv.float())
+
+
+def chunk_landmarks(k_rot: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Landmarks: mean of each chunk's post-RoPE keys. k_rot (n*C, Hkv, d) -> (n, Hkv, d)."""
+    S, Hkv, d = k_rot.shape
+    chunks = k_rot.float().view(S // chunk_size, chunk_size, Hkv, d)  # (n, C, Hkv, d)
+    return chunks.mean(1).to(k_rot.dtype)
+
+
+def find_outlier_chunks(k_rot: torch.Tensor, landmarks: torch.Tensor, chunk_size: int,
+                        num_outliers: int) -> torch.Tensor:
+    """Per KV head, the chunks whose tokens are worst approximated by their landmark.
+
+    k_rot (n*C, Hkv, d), landmarks (n, Hkv, d) -> chunk ids (Hkv, O) int64, ascending: the O chunks with the lowest
+    minimum cosine similarity between a token and its chunk's landmark."""
+    S, Hkv, d = k_rot.shape
+    chunks = k_rot.float().view(S // chunk_size, chunk_size, Hkv, d)  # (n, C, Hkv, d)
+    cos = torch.cosine_similarity(chunks, landmarks.float()[:, None], dim=-1)  # (n, C, Hkv)
+    worst = cos.amin(1).T  # (Hkv, n)
+    ids = worst.topk(num_outliers, dim=-1, largest=False).indices  # (Hkv, O)
+    return ids.sort(-1).values
+
+
+def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, excluded: torch.Tensor, scale: float) -> torch.Tensor:
+    """How much each chunk matters to one sequence's decode query, per KV head.
+
+    q (Hq, d), landmarks (n, Hkv, d), excluded (Hkv, n) bool (outlier chunks, attended exactly anyway)
+    -> scores (Hkv, n) fp32: softmax over the sequence's chunks of q·landmarksᵀ·scale per query head, excluded
+    chunks at -inf, then the max over each GQA group. Excluded chunks score -inf, so top-k never picks them."""
+    Hq, d = q.shape
+    n, Hkv, _ = landmarks.shape
+    q = q.float().view(Hkv, Hq // Hkv, d)  # (Hkv, G, d)
+    logits = torch.einsum("hgd,nhd->hgn", q, landmarks.float()) * scale  # (Hkv, G, n)
+    logits = logits.masked_fill(excluded[:, None, :], float("-inf"))
+    scores = logits.softmax(-1).amax(1)  # (Hkv, n)
+    return scores.masked_fill(excluded, float("-inf"))
+
+
+def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k chunks per KV head. scores (Hkv, n) -> chunk ids (Hkv, k) int64."""
+    return scores.topk(k, dim=-1).indices
+
+
+def assign_slots(resident: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable slots for this step's chunks: a hit keeps its slot and is neither rebuilt nor fetched.
+
+    resident (Hkv, K) chunk id held by each slot since the last step, -1 for empty; selected (Hkv, k), k <= K,
+    distinct ids per head -> new_resident (Hkv, K), miss_mask (Hkv, K) bool (slots that must be rebuilt/fetched).
+    Per head, the j-th missed chunk (in `selected` order) goes to the j-th slot (in slot order) whose chunk is no
+    longer selected; free slots left over become empty (-1)."""
+    Hkv, k = selected.shape
+    kept = (resident[:, :, None] == selected[:, None, :]).any(2)  # (Hkv, K) slot's chunk still selected
+    is_miss = ~(selected[:, :, None] == resident[:, None, :]).any(2)  # (Hkv, k)
+    misses_first = torch.argsort((~is_miss).to(torch.int8), dim=1, stable=True)  # (Hkv, k)
+    miss_ids = selected.gather(1, misses_first)  # (Hkv, k): the misses first, in selected order
+    miss_ids = torch.cat([miss_ids, selected.new_full((Hkv, 1), -1)], 1)  # (Hkv, k+1): column k is "empty"
+    free = ~kept
+    free_rank = free.long().cumsum(1) - 1  # (Hkv, K) index of each free slot among its head's free slots
+    miss_mask = free & (free_rank < is_miss.sum(1, keepdim=True))
+    incoming = miss_ids.gather(1, torch.where(miss_mask, free_rank, k))  # (Hkv, K)
+    new_resident = torch.where(kept, resident, incoming)
+    return new_resident, miss_mask
+
+
+def rebuild_keys(u_rows: torch.Tensor, sv: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+    """Post-RoPE keys of M missed chunks from their U rows (fp32 math).
+
+    u_rows (M, C, r), sv (M, r, d) the SV of the KV head each chunk is rebuilt for, positions (M, C) int64 true
+    token positions -> keys (M, C, d) fp32 = RoPE(U[rows] · SV[h]). `rotary.apply(x (n, h, d), positions (n,))`
+    rotates each token at its position; every (chunk, token) is passed as one token of one head."""
+    M, C, _ = u_rows.shape
+    d = sv.shape[-1]
+    k_pre = torch.bmm(u_rows.float(), sv.float())  # (M, C, d)
+    k_rot = rotary.apply(k_pre.reshape(M * C, 1, d), positions.reshape(M * C))  # (M*C, 1, d)
+    return k_rot.float().view(M, C, d)
+
+
+def paged_rows(pages: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a paged buffer. pages (num_pages, page_rows, *row), page_table (seq_pages,) physical page of each
+    logical page of one sequence, rows (*idx) logical row ids -> (*idx, *row)."""
+    page_rows = pages.shape[1]
+    return pages[page_table[rows // page_rows], rows % page_rows]
+
+
+def gather_values(host_values: torch.Tensor, page_table: torch.Tensor, chunk_ids: torch.Tensor,
+                  heads: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Values of M (chunk, KV head) pairs of one sequence and layer, read from the host store.
+
+    host_values (num_pages, page_tokens, Hkv, d) one layer of the store, page_table (seq_pages,) int64, chunk_ids (M,),
+    heads (M,) -> (M, C, d), on host_values' device (the caller moves them to the GPU slot)."""
+    positions = chunk_ids[:, None] * chunk_size + torch.arange(chunk_size, device=chunk_ids.device)  # (M, C)
+    page_tokens = host_values.shape[1]
+    pages = page_table[positions // page_tokens]  # (M, C)
+    return host_values[pages, positions % page_tokens, heads[:, None]]
+
+
+def sparse_decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """One sequence's decode attention over its selected keys: q (Hq, d), keys/values (Hkv, n, d) (each KV head its
+    own n keys: outliers | selected chunks | local + generated) -> (Hq, d). attention_ref semantics, GQA."""
+    out = attention_ref(q[None], keys.transpose(0, 1), values.transpose(0, 1), scale, causal=False)  # (1, Hq, d)
+    return out[0]

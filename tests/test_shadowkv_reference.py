@@ -1,0 +1,146 @@
+"""Each step of the ShadowKV reference on random inputs."""
+import pytest
+import torch
+
+from shadowkv_core.attention import attention_ref
+from shadowkv_core.shadowkv.reference import (assign_slots, chunk_landmarks, factorize_keys, find_outlier_chunks,
+                                              gather_values, landmark_scores, paged_rows, project_keys,
+                                              rebuild_keys, select_chunks, sparse_decode_attention_ref)
+
+
+class RopeForTests:
+    """Rotate-half RoPE with the `apply(x (n, h, d), positions (n,))` interface of the model's rotary (fp32 math)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        self.inv_freq = base ** (-torch.arange(0, head_dim, 2).float() / head_dim)  # (d/2,)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.float()[:, None] * self.inv_freq  # (n, d/2)
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]  # (n, 1, d)
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+        x1, x2 = x.float().chunk(2, -1)
+        return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def test_factorize_full_rank_reconstructs():
+    torch.manual_seed(0)
+    k_pre = torch.randn(200, 2, 16)
+    u, sv = factorize_keys(k_pre, rank=32)
+    assert u.shape == (200, 32) and sv.shape == (2, 32, 16)
+    rebuilt = torch.einsum("sr,hrd->shd", u, sv)
+    torch.testing.assert_close(rebuilt, k_pre, atol=2e-5, rtol=1e-5)
+
+
+def test_factorize_low_rank_is_the_best_rank_r_approximation():
+    torch.manual_seed(0)
+    k_pre = torch.randn(300, 2, 8) @ torch.randn(8, 8)  # (S, Hkv, d)
+    u, sv = factorize_keys(k_pre, rank=5)
+    k_cat = k_pre.reshape(300, 16)
+    rebuilt = torch.einsum("sr,hrd->shd", u, sv).reshape(300, 16)
+    uu, s, vh = torch.linalg.svd(k_cat, full_matrices=False)
+    best = (uu[:, :5] * s[:5]) @ vh[:5]
+    torch.testing.assert_close(rebuilt, best, atol=1e-3, rtol=1e-3)
+
+
+def test_project_keys_matches_factorize_rows():
+    torch.manual_seed(0)
+    k_pre = torch.randn(64, 2, 8)
+    u, sv = factorize_keys(k_pre, rank=6)
+    torch.testing.assert_close(project_keys(k_pre[40:], sv), u[40:], atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_landmarks_are_chunk_means():
+    k_rot = torch.randn(6 * 4, 3, 5)
+    lm = chunk_landmarks(k_rot, 4)
+    assert lm.shape == (6, 3, 5)
+    torch.testing.assert_close(lm[2], k_rot[8:12].mean(0))
+
+
+def test_outliers_find_planted_bad_chunks():
+    torch.manual_seed(0)
+    C, n, Hkv, d = 8, 20, 2, 16
+    direction = torch.randn(Hkv, d)
+    k_rot = direction + 0.05 * torch.randn(n * C, Hkv, d)  # every token close to its chunk mean
+    k_rot[5 * C + 3, 0] = -direction[0]  # chunk 5 badly approximated on head 0
+    k_rot[11 * C, 1] = torch.randn(d) * 3  # chunk 11 on head 1
+    k_rot[17 * C + 7, 1] = -direction[1]  # chunk 17 on head 1
+    ids = find_outlier_chunks(k_rot, chunk_landmarks(k_rot, C), C, num_outliers=2)
+    assert ids.shape == (2, 2)
+    assert 5 in ids[0].tolist()
+    assert ids[1].tolist() == [11, 17]
+
+
+def test_landmark_scores_softmax_then_group_max_and_excluded():
+    torch.manual_seed(0)
+    Hq, Hkv, d, n = 4, 2, 8, 10
+    q, lm = torch.randn(Hq, d), torch.randn(n, Hkv, d)
+    excluded = torch.zeros(Hkv, n, dtype=torch.bool)
+    excluded[0, 3] = excluded[1, 7] = True
+    scores = landmark_scores(q, lm, excluded, scale=0.3)
+    for h in range(Hkv):
+        keep = ~excluded[h]
+        per_q = torch.stack([(lm[keep, h] @ q[g] * 0.3).softmax(0) for g in (2 * h, 2 * h + 1)])
+        torch.testing.assert_close(scores[h, keep], per_q.amax(0))
+        assert torch.isneginf(scores[h, ~keep]).all()
+    ids = select_chunks(scores, 9)
+    assert 3 not in ids[0].tolist() and 7 not in ids[1].tolist()
+
+
+def test_assign_slots_keeps_hits_in_place_and_moves_only_misses():
+    resident = torch.tensor([[10, 11, 12, 13], [-1, -1, -1, -1], [1, 2, 3, 4]])
+    selected = torch.tensor([[13, 20, 11, 21], [5, 6, 7, 8], [4, 3, 2, 1]])
+    new, miss = assign_slots(resident, selected)
+    assert new.tolist() == [[20, 11, 21, 13], [5, 6, 7, 8], [1, 2, 3, 4]]
+    assert miss.tolist() == [[True, False, True, False], [True] * 4, [False] * 4]
+
+
+def test_assign_slots_random_properties_and_fewer_selected_than_slots():
+    torch.manual_seed(0)
+    Hkv, K = 3, 6
+    resident = torch.full((Hkv, K), -1)
+    for step in range(20):
+        k = 4 if step % 3 == 0 else K
+        selected = torch.stack([torch.randperm(12)[:k] for _ in range(Hkv)])
+        new, miss = assign_slots(resident, selected)
+        for h in range(Hkv):
+            assert sorted(new[h][new[h] >= 0].tolist()) == sorted(selected[h].tolist())
+            hits = [s for s in range(K) if resident[h, s] >= 0 and resident[h, s] in selected[h]]
+            assert all(new[h, s] == resident[h, s] and not miss[h, s] for s in hits)
+            assert miss[h].sum() == k - len(hits)
+        resident = new
+
+
+def test_rebuild_keys_equals_rope_of_the_original_keys():
+    torch.manual_seed(0)
+    C, Hkv, d = 4, 2, 8
+    rope = RopeForTests(d)
+    k_pre = torch.randn(10 * C, Hkv, d)
+    u, sv = factorize_keys(k_pre, rank=Hkv * d)
+    chunks, heads = torch.tensor([7, 2, 2]), torch.tensor([0, 0, 1])
+    positions = chunks[:, None] * C + torch.arange(C)  # (M, C)
+    keys = rebuild_keys(u[positions], sv[heads], positions, rope)
+    k_rot = rope.apply(k_pre, torch.arange(10 * C))
+    torch.testing.assert_close(keys, k_rot[positions, heads[:, None]], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_rows_and_gather_values_follow_the_page_table():
+    pages = torch.arange(5 * 4 * 2 * 3).float().view(5, 4, 2, 3)  # (num_pages, page_tokens, Hkv, d)
+    table = torch.tensor([3, 0, 4])  # logical page i -> physical page
+    logical = pages[table].reshape(12, 2, 3)  # (seq_tokens, Hkv, d)
+    rows = torch.tensor([0, 5, 11])
+    torch.testing.assert_close(paged_rows(pages, table, rows), logical[rows])
+    vals = gather_values(pages, table, torch.tensor([1, 5]), torch.tensor([1, 0]), chunk_size=2)
+    torch.testing.assert_close(vals, torch.stack([logical[2:4, 1], logical[10:12, 0]]))
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 2)])
+def test_sparse_decode_attention_matches_per_head_softmax(Hq, Hkv):
+    torch.manual_seed(0)
+    d, n = 8, 13
+    q, k, v = torch.randn(Hq, d), torch.randn(Hkv, n, d), torch.randn(Hkv, n, d)
+    out = sparse_decode_attention_ref(q, k, v, 0.5)
+    G = Hq // Hkv
+    expect = torch.stack([(k[h // G] @ q[h] * 0.5).softmax(0) @ v[h // G] for h in range(Hq)])
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    same = attention_ref(q[None], k.transpose(0, 1), v.transpose(0, 1), 0.5, causal=False)[0]
+    torch.testing.assert_close(out, same)
