@@ -1,0 +1,117 @@
+"""Decoder building blocks over flattened ragged tokens (T = all tokens of a forward, no batch dimension).
+
+Long prefills run their per-token work in chunks of `chunk_tokens` so that activations (the MLP's intermediate,
+RoPE's fp32 temporaries) stay bounded whatever the prompt length."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, KVCache
+from .rotary import RotaryEmbedding
+from .spec import ModelSpec
+
+
+def chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """fn over token chunks of x (T, ...), written into one (T, ...) output."""
+    n = x.shape[0]
+    if n <= chunk_tokens:
+        return fn(x)
+    out = None
+    for start in range(0, n, chunk_tokens):
+        y = fn(x[start:start + chunk_tokens])
+        if out is None:
+            out = y.new_empty((n, *y.shape[1:]))
+        out[start:start + chunk_tokens] = y
+    return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, weight applied after casting back: transformers' order, exact in every dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        self.chunk_tokens = chunk_tokens
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q = x.new_empty(n, self.num_heads, self.head_dim)
+        k_pre, k_rot, v = (x.new_empty(n, self.num_kv_heads, self.head_dim) for _ in range(3))
+        for s in range(0, n, self.chunk_tokens):
+            e = s + self.chunk_tokens
+            q[s:e], k_pre[s:e], k_rot[s:e], v[s:e] = self._project(
+                x[s:e], positions[s:e], None if seq_lens is None else seq_lens[s:e])
+        out = cache.attend(self.layer_idx, q, k_pre, k_rot, v, meta)  # (T, Hq, d)
+        return chunked(self.o_proj, out.reshape(n, self.q_size), self.chunk_tokens)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
+        """q (t, Hq, d) post-RoPE, k_pre (t, Hkv, d) pre-RoPE (after k_norm), k_rot post-RoPE, v (t, Hkv, d)."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (t, Hkv, d)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rotary.apply(q, positions, seq_lens)
+        return q, k, self.rotary.apply(k, positions, seq_lens), v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int):
+        super().__init__()
+        self.chunk_tokens = chunk_tokens
+        self.self_attn = Attention(spec, layer_idx, rotary, chunk_tokens)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None
+        self.post_mlp_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(chunked(self.input_layernorm, h, self.chunk_tokens), positions, seq_lens, cache, meta)
+        if self.post_self_attn_layernorm is not None:
+            attn = self.post_self_attn_layernorm(attn)
+        h = h + attn
+        return chunked(self._mlp_block, h, self.chunk_tokens)
+
+    def _mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(self.post_attention_layernorm(h))
+        if self.post_mlp_layernorm is not None:
+            out = self.post_mlp_layernorm(out)
+        return h + out

@@ -1,0 +1,112 @@
+"""Load a Hugging Face checkpoint (config.json + safetensors) into the decoder, shard by shard, tensor by tensor,
+straight onto the target device and dtype. Separate q/k/v and gate/up projections are copied into their rows of the
+fused modules; checkpoints that already fuse them (Phi-3, GLM) load as they are. Never runs remote code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .decoder import Decoder
+from .spec import ModelSpec
+
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+              "tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.tiktoken", "chat_template*"]
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
+
+
+def load_model(model: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+               prefill_chunk_tokens: int = 8192) -> tuple[Decoder, ModelSpec]:
+    """model: a local directory or a hub id. dtype None: the checkpoint's torch_dtype (float32 if it names none)."""
+    path = resolve_model_path(model)
+    spec = ModelSpec.from_hf_config(read_config(path))
+    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+        raise ValueError(f"{path}: sliding_window={spec.sliding_window} (< max_position_embeddings="
+                         f"{spec.max_position_embeddings}) is not supported: this engine attends to the whole context")
+    decoder = Decoder(spec, dtype or spec.torch_dtype or torch.float32, device, prefill_chunk_tokens)
+    load_weights(decoder, weight_files(path))
+    return decoder.eval(), spec
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer  # transformers only at this edge
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(model)), trust_remote_code=False)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory as is (never the network); otherwise a hub id, downloaded (config, weights, tokenizer)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model {model!r} is not a directory with config.json and *.safetensors")
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(repo_id=model, allow_patterns=_HUB_FILES))
+
+
+def read_config(path: Path) -> dict:
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    return json.loads(config.read_text())
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path}: weight files listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weight files (only safetensors checkpoints are loaded)")
+    return files
+
+
+def load_weights(decoder: Decoder, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into its parameter (or its rows of a fused one); every row must be filled."""
+    params = dict(decoder.named_parameters())
+    rows_loaded = dict.fromkeys(params, 0)
+    device = str(next(iter(params.values())).device)
+    for file in files:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            for name in f.keys():
+                target = _target(decoder.spec, name)
+                if target is None:
+                    continue
+                param_name, start, num_rows = target
+                if param_name not in params:
+                    raise ValueError(f"{file.name}: tensor {name!r} has no place in a {decoder.spec.architecture}")
+                param = params[param_name]
+                rows = param[start:start + num_rows] if num_rows else param
+                tensor = f.get_tensor(name)
+                if tensor.shape != rows.shape:
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(rows.shape)}")
+                rows.copy_(tensor)
+                rows_loaded[param_name] += rows.shape[0]
+    missing = [name for name, rows in rows_loaded.items() if rows != params[name].shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {len(missing)} parameters, e.g. {', '.join(missing[:4])}")
+
+
+def _target(spec: ModelSpec, name: str) -> tuple[str, int, int | None] | None:
+    """Checkpoint tensor name -> (decoder parameter, first row, rows or None for all), None for tensors the decoder
+    does not use."""
+    if name.endswith(_IGNORED_SUFFIXES) or (spec.tie_word_embeddings and name == "lm_head.weight"):
+        return None
+    name = name.removeprefix("model.")
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    inter = spec.intermediate_size
+    fused = {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
+             "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+    parts = name.split(".")  # e.g. layers.3.self_attn.q_proj.weight
+    if len(parts) >= 2 and parts[-2] in fused:
+        module, start, num_rows = fused[parts[-2]]
+        return ".".join(parts[:-2] + [module, parts[-1]]), start, num_rows
+    return name, 0, None
