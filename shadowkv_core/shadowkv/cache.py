@@ -1,0 +1,208 @@
+"""ShadowKVCache: the KVCache interface over the shadow (DESIGN.md's data path), ragged batches, per-sequence state.
+
+Sequences shorter than `config.min_context` stay in a composed dense cache; the others are kept in shadows: prefill
+factorises their keys, finds landmarks and outliers and sends values to the host; each decode step selects chunks,
+rebuilds/fetches the misses (layer.py) and attends over [outliers | selected | local + generated]. When the window
+of exact tokens is full its older half is folded into the shadow, so generation is bounded only by the pages
+allocated up front.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shadowkv_core.attention import AttentionMetadata, KVCache
+from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.shadowkv.host_store import HostValueStore
+from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
+from shadowkv_core.shadowkv.pages import GpuPages
+from shadowkv_core.shadowkv.reference import chunk_landmarks
+from shadowkv_core.shadowkv.slots import SequenceState, Slots
+
+
+@dataclass
+class StepCounters:
+    selected: int = 0  # (sequence, layer, KV head, chunk) selections
+    hits: int = 0
+    fetched: int = 0  # chunks rebuilt and fetched
+    bytes_fetched: int = 0  # value bytes read from the host
+
+
+@dataclass
+class BatchSplit:
+    """A forward's sequences split between the dense cache and the shadow."""
+
+    dense_meta: AttentionMetadata | None
+    dense_tokens: torch.Tensor  # (T_dense,) rows of the forward's tokens that belong to dense sequences
+    shadow: list[tuple[SequenceState, int, int]]  # (state, query_start, query_len)
+
+
+class ShadowKVCache(KVCache):
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
+                 scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
+                 num_gpu_pages: int, num_host_pages: int, dense: KVCache, page_chunks: int = 16,
+                 prefill_chunk_tokens: int = 8192):
+        config.check_model(num_kv_heads, head_dim)
+        self.config, self.scale, self.rotary, self.dense = config, scale, rotary, dense
+        self.num_layers, self.num_q_heads = num_layers, num_q_heads
+        self.device = torch.device(device)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.gpu = GpuPages(num_layers, num_gpu_pages, page_chunks, config.chunk_size, config.rank, num_kv_heads,
+                            head_dim, dtype, device)
+        self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype)
+        self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
+        self.seqs: dict[int, SequenceState] = {}
+        self.step, self.last_step = StepCounters(), StepCounters()
+        self._split: tuple[int, BatchSplit] | None = None
+
+    # ---- allocation ----
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """GPU pages (U rows + landmarks) and, as many, host value pages of one sequence."""
+        return math.ceil((prompt_len + max_new_tokens) / self.gpu.page_tokens)
+
+    def is_dense(self, prompt_len: int) -> bool:
+        return prompt_len < self.config.min_context
+
+    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
+        if self.is_dense(prompt_len):
+            return self.dense.can_allocate(prompt_len, max_new_tokens)
+        n = self.pages_needed(prompt_len, max_new_tokens)
+        return self.slots.num_free >= 1 and self.gpu.num_free >= n and self.host.num_free >= n
+
+    def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
+        if self.is_dense(prompt_len):
+            return self.dense.fits_when_empty(prompt_len, max_new_tokens)
+        n = self.pages_needed(prompt_len, max_new_tokens)
+        return n <= self.gpu.num_pages and n <= self.host.num_pages
+
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """(device bytes, host bytes) reserved by `allocate`: pages, plus the slot on the device."""
+        if self.is_dense(prompt_len):
+            return self.dense.footprint(prompt_len, max_new_tokens)
+        n = self.pages_needed(prompt_len, max_new_tokens)
+        return n * self.gpu.page_bytes + self.slots.slot_bytes, n * self.host.page_bytes
+
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Reserve the slot and every page the sequence can need; MemoryError, nothing reserved, if they don't fit."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already holds a ShadowKV slot")
+        if self.is_dense(prompt_len):
+            return self.dense.allocate(seq_id, prompt_len, max_new_tokens)
+        if not self.can_allocate(prompt_len, max_new_tokens):
+            raise MemoryError(
+                f"ShadowKV cache full: a sequence of {prompt_len}+{max_new_tokens} tokens needs 1 slot and "
+                f"{self.pages_needed(prompt_len, max_new_tokens)} GPU and host pages; free: {self.slots.num_free} "
+                f"slots, {self.gpu.num_free} GPU pages, {self.host.num_free} host pages")
+        n = self.pages_needed(prompt_len, max_new_tokens)
+        C = self.config.chunk_size
+        num_shadow = max(prompt_len // C - self.config.local_chunks, 0)  # the middle chunks
+        gpu_pages, host_pages = self.gpu.alloc(n), self.host.alloc(n)
+        self.seqs[seq_id] = SequenceState(
+            slot=self.slots.alloc(), gpu_pages=gpu_pages, host_pages=host_pages,
+            gpu_table=torch.tensor(gpu_pages, dtype=torch.int64, device=self.device),
+            host_table=torch.tensor(host_pages, dtype=torch.int64),
+            num_shadow=num_shadow, window_len=prompt_len - num_shadow * C,
+            num_outliers=min(self.config.outlier_chunks, num_shadow))
+
+    def free(self, seq_id: int) -> None:
+        st = self.seqs.pop(seq_id, None)
+        if st is None:
+            return self.dense.free(seq_id)
+        self.gpu.free(st.gpu_pages)
+        self.host.free(st.host_pages)
+        self.slots.free(st.slot)
+
+    # ---- forward ----
+
+    def attend(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        split = self._split_batch(meta)
+        out = torch.empty_like(q)  # (T, Hq, d)
+        if split.dense_meta is not None:
+            rows = split.dense_tokens
+            out[rows] = self.dense.attend(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], split.dense_meta)
+        for st, start, n in split.shadow:
+            i = slice(start, start + n)
+            if meta.is_prefill:
+                out[i] = prefill_layer(self, layer, st, q[i], k_pre[i], k_rot[i], v[i])
+            else:
+                out[i] = decode_layer(self, layer, st, q[start], k_pre[start], k_rot[start], v[start])[None]
+        return out
+
+    def _split_batch(self, meta: AttentionMetadata) -> BatchSplit:
+        # The same split serves every layer of a forward: build it once per metadata object.
+        if self._split is not None and self._split[0] == id(meta):
+            return self._split[1]
+        dense_idx, shadow, dense_rows = [], [], []
+        for i, (seq_id, start, n, ctx) in enumerate(zip(meta.seq_ids, meta.query_starts, meta.query_lens,
+                                                        meta.context_lens)):
+            st = self.seqs.get(seq_id)
+            if st is None:
+                dense_idx.append(i)
+                dense_rows.extend(range(start, start + n))
+                continue
+            if (meta.is_prefill and ctx != 0) or (not meta.is_prefill and n != 1):
+                raise ValueError(f"sequence {seq_id}: ShadowKV prefills whole prompts (context 0) and decodes one "
+                                 f"token at a time; got {n} tokens after {ctx}")
+            shadow.append((st, start, n))
+        dense_tokens = torch.tensor(dense_rows, dtype=torch.int64, device=meta.positions.device)
+        dense_meta = None
+        if dense_idx:
+            dense_meta = AttentionMetadata(
+                meta.is_prefill, [meta.seq_ids[i] for i in dense_idx], [meta.query_lens[i] for i in dense_idx],
+                [meta.context_lens[i] for i in dense_idx], meta.positions[dense_tokens])
+        split = BatchSplit(dense_meta, dense_tokens, shadow)
+        self._split = (id(meta), split)
+        return split
+
+    def finish_forward(self, meta: AttentionMetadata) -> None:
+        split = self._split_batch(meta)
+        if split.dense_meta is not None:
+            self.dense.finish_forward(split.dense_meta)
+        for st, _, n in split.shadow:
+            st.seq_len += n
+            if not meta.is_prefill:
+                st.window_len += 1
+                if st.window_len == self.slots.window_tokens:
+                    self._fold(st)
+        if not meta.is_prefill:
+            self.last_step, self.step = self.step, StepCounters()
+        self._split = None
+
+    def _fold(self, st: SequenceState) -> None:
+        """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU
+        pages (every token's are written when it arrives); add its landmarks, offload its values, shift the rest."""
+        half, C, L = self.config.decode_window // 2, self.config.chunk_size, self.num_layers
+        wk, wv = self.slots.window_k[st.slot], self.slots.window_v[st.slot]  # (L, E, Hkv, d)
+        Hkv, d = wk.shape[-2:]
+        lm = chunk_landmarks(wk[:, :half].reshape(L * half, Hkv, d), C).view(L, half // C, Hkv, d)
+        self.gpu.write_landmarks(slice(None), st.gpu_table, st.num_shadow, lm)
+        self.host.write(slice(None), st.host_table, st.num_shadow * C, wv[:, :half])
+        keep = st.window_len - half
+        wk[:, :keep] = wk[:, half:st.window_len].clone()
+        wv[:, :keep] = wv[:, half:st.window_len].clone()
+        st.num_shadow += half // C
+        st.window_len = keep
+
+    # ---- statistics ----
+
+    def stats(self) -> dict[str, float]:
+        dense = self.dense.stats()
+        last = self.last_step
+        return {
+            "num_seqs": len(self.seqs) + dense["num_seqs"],
+            "hit_rate": last.hits / last.selected if last.selected else 0.0,
+            "chunks_fetched": last.fetched,
+            "bytes_fetched": last.bytes_fetched,
+            "gpu_bytes_in_use": self.gpu.bytes_in_use + self.slots.bytes_in_use + dense["gpu_bytes_in_use"],
+            "host_bytes_in_use": self.host.bytes_in_use + dense["host_bytes_in_use"],
+            "gpu_bytes_total": (self.gpu.num_pages * self.gpu.page_bytes + self.slots.num_slots * self.slots.slot_bytes
+                                + dense.get("gpu_bytes_total", 0)),
+            "host_bytes_total": self.host.num_pages * self.host.page_bytes + dense.get("host_bytes_total", 0),
+        }
+
+    def close(self) -> None:
+        self.host.close()

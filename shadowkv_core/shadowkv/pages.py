@@ -1,0 +1,72 @@
+"""GPU pages of the shadow: U rows and landmarks, one page table per sequence for both.
+
+A page holds, for every layer, the U rows of `page_chunks * chunk_size` consecutive tokens and the landmarks of
+those `page_chunks` chunks. Host value pages (host_store.py) cover the same tokens, so a sequence needs as many of
+each; the two kinds are allocated from separate pools because they live in different memories.
+"""
+from __future__ import annotations
+
+import torch
+
+from shadowkv_core.dense_cache import BlockAllocator
+
+
+def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical (page, offset) of a sequence's logical rows: table (seq_pages,), rows (*idx) -> two (*idx)."""
+    return table[rows // page_rows], rows % page_rows
+
+
+class GpuPages:
+    def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.page_chunks = page_chunks
+        self.page_tokens = page_chunks * chunk_size
+        self.u = torch.zeros(num_layers, num_pages, self.page_tokens, rank, dtype=dtype, device=device)
+        self.landmarks = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, head_dim, dtype=dtype,
+                                     device=device)
+        self.pages = BlockAllocator(num_pages)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pages.num_free
+
+    @property
+    def page_bytes(self) -> int:
+        return (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()
+
+    @property
+    def bytes_in_use(self) -> int:
+        return (self.num_pages - self.num_free) * self.page_bytes
+
+    def alloc(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise MemoryError(f"GPU shadow pages: need {n} pages of {self.page_tokens} tokens, "
+                              f"{self.num_free} of {self.num_pages} free")
+        return self.pages.alloc(n)
+
+    def free(self, pages: list[int]) -> None:
+        self.pages.free(pages)
+
+    def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
+        """U rows (n, r) of tokens [start, start + n)."""
+        rows = torch.arange(start, start + u.shape[0], device=table.device)
+        self.u[layer][locate(table, rows, self.page_tokens)] = u.to(self.u.dtype)
+
+    def read_u(self, layer: int, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """positions (*idx) -> U rows (*idx, r)."""
+        return self.u[layer][locate(table, positions, self.page_tokens)]
+
+    def write_landmarks(self, layers: slice | int, table: torch.Tensor, start: int, lm: torch.Tensor) -> None:
+        """Landmarks ([L,] n, Hkv, d) of chunks [start, start + n), for one layer or a slice of layers."""
+        rows = torch.arange(start, start + lm.shape[-3], device=table.device)
+        page, offset = locate(table, rows, self.page_chunks)
+        self.landmarks[layers, page, offset] = lm.to(self.landmarks.dtype)
+
+    def read_landmarks(self, layer: int, table: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """Landmarks of chunks [0, num_chunks): (n, Hkv, d)."""
+        rows = torch.arange(num_chunks, device=table.device)
+        return self.landmarks[layer][locate(table, rows, self.page_chunks)]

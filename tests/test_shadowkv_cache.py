@@ -1,0 +1,145 @@
+"""ShadowKVCache alone, driven through `attend` on random q/k/v: at full budget and full rank it equals dense exact
+attention over the whole cache, for ragged batches, through prefill and decode steps that fold the window."""
+import pytest
+import torch
+
+from shadowkv_core.attention import AttentionMetadata, attention_ref, prefill_attention_ref
+from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.shadowkv.cache import ShadowKVCache
+from test_shadowkv_reference import RopeForTests
+
+L, HQ, HKV, D = 2, 4, 2, 8
+SCALE = D ** -0.5
+
+
+def make_cache(config: ShadowKVConfig, max_num_seqs=4, gpu_pages=64, host_pages=64, dense_blocks=64):
+    dense = DenseKVCache(L, HKV, D, num_blocks=dense_blocks, block_size=4, dtype=torch.float32, device="cpu",
+                         scale=SCALE)
+    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, RopeForTests(D), torch.float32, "cpu", max_num_seqs,
+                         gpu_pages, host_pages, dense, page_chunks=4)
+
+
+def full_config(**overrides):
+    """Budget covering every chunk, full rank: ShadowKV must equal dense attention."""
+    fields = dict(rank=HKV * D, chunk_size=4, sparse_budget=128, outlier_chunks=2, local_chunks=2, min_context=0,
+                  decode_window=8)
+    return ShadowKVConfig(**{**fields, **overrides})
+
+
+class DenseOracle:
+    """Every token's post-RoPE key and value per sequence and layer, attended exactly."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def prefill(self, layer, seq_id, q, k, v):
+        self.k[layer, seq_id], self.v[layer, seq_id] = k, v
+        return prefill_attention_ref(q, k, v, SCALE, chunk_tokens=16)
+
+    def decode(self, layer, seq_id, q, k, v):
+        self.k[layer, seq_id] = torch.cat([self.k[layer, seq_id], k])
+        self.v[layer, seq_id] = torch.cat([self.v[layer, seq_id], v])
+        return attention_ref(q, self.k[layer, seq_id], self.v[layer, seq_id], SCALE, causal=True)
+
+
+def run_forward(cache, oracle, rope, seq_ids, lens, ctx, is_prefill):
+    """One forward of random tokens through every layer; returns the largest |ShadowKV - dense| seen."""
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)])
+    meta = AttentionMetadata(is_prefill, seq_ids, lens, ctx, positions)
+    T = positions.shape[0]
+    worst = 0.0
+    for layer in range(L):
+        q, k_pre, v = torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+        q, k_rot = rope.apply(q, positions), rope.apply(k_pre, positions)
+        out = cache.attend(layer, q, k_pre, k_rot, v, meta)
+        for seq_id, start, n in zip(seq_ids, meta.query_starts, lens):
+            i = slice(start, start + n)
+            step = oracle.prefill if is_prefill else oracle.decode
+            expect = step(layer, seq_id, q[i], k_rot[i], v[i])
+            worst = max(worst, (out[i] - expect).abs().max().item())
+    cache.finish_forward(meta)
+    return worst
+
+
+def generate(cache, prompt_lens, steps, seed=0):
+    torch.manual_seed(seed)
+    rope, oracle = RopeForTests(D), DenseOracle()
+    seq_ids = list(range(len(prompt_lens)))
+    for seq_id, n in zip(seq_ids, prompt_lens):
+        cache.allocate(seq_id, n, steps + 1)
+    worst = run_forward(cache, oracle, rope, seq_ids, list(prompt_lens), [0] * len(seq_ids), True)
+    for t in range(steps):
+        ctx = [n + t for n in prompt_lens]
+        worst = max(worst, run_forward(cache, oracle, rope, seq_ids, [1] * len(seq_ids), ctx, False))
+    return worst
+
+
+def test_full_budget_full_rank_equals_dense_ragged_with_folding():
+    cache = make_cache(full_config())
+    worst = generate(cache, prompt_lens=[37, 50, 23], steps=40)
+    assert worst < 1e-5
+    st = cache.seqs[1]
+    assert st.seq_len == 90 and st.num_shadow * 4 + st.window_len == 90
+    assert st.num_shadow > 50 // 4 - 2 + 4  # folded several times (window of 8: every 4 steps)
+    stats = cache.stats()
+    assert stats["num_seqs"] == 3 and stats["hit_rate"] > 0.8 and stats["gpu_bytes_in_use"] > 0
+
+
+def test_ragged_batch_mixing_dense_and_shadow_sequences():
+    cache = make_cache(full_config(min_context=30))
+    worst = generate(cache, prompt_lens=[37, 12, 50, 29], steps=12)
+    assert worst < 1e-5
+    assert set(cache.seqs) == {0, 2} and cache.stats()["num_seqs"] == 4
+
+
+def test_no_outliers_and_prompt_shorter_than_local_chunks():
+    cache = make_cache(full_config(outlier_chunks=0))
+    assert generate(cache, prompt_lens=[5, 41], steps=20) < 1e-5
+
+
+def test_small_budget_and_rank_run_and_count_fetches():
+    cache = make_cache(full_config(rank=6, sparse_budget=12, outlier_chunks=1))
+    worst = generate(cache, prompt_lens=[64, 45], steps=10)
+    assert worst < 10  # sparse and low rank: only sane, not equal
+    stats = cache.stats()
+    assert 0.0 <= stats["hit_rate"] <= 1.0
+    assert stats["bytes_fetched"] == stats["chunks_fetched"] * 4 * D * 4
+    assert cache.slots.resident[cache.seqs[0].slot].ge(0).sum() == L * HKV * 3  # 3 budget chunks per KV head
+
+
+def test_free_returns_every_page_and_slot():
+    cache = make_cache(full_config(min_context=30))
+    generate(cache, prompt_lens=[37, 12, 50], steps=5)
+    host_in_use = cache.stats()["host_bytes_in_use"]
+    assert host_in_use > 0
+    for seq_id in range(3):
+        cache.free(seq_id)
+    stats = cache.stats()
+    assert stats["num_seqs"] == 0 and stats["gpu_bytes_in_use"] == 0 and stats["host_bytes_in_use"] == 0
+    assert cache.gpu.num_free == 64 and cache.host.num_free == 64 and cache.slots.num_free == 4
+
+
+def test_allocate_refuses_cleanly_when_pages_run_out():
+    cache = make_cache(full_config(), gpu_pages=8, host_pages=6)  # page: 4 chunks of 4 tokens
+    assert cache.can_allocate(80, 16)  # 6 pages
+    cache.allocate(0, 80, 16)
+    assert not cache.can_allocate(10, 10)
+    with pytest.raises(MemoryError, match="host pages"):
+        cache.allocate(1, 10, 10)
+    assert cache.gpu.num_free == 2 and cache.host.num_free == 0 and cache.slots.num_free == 3
+    cache.free(0)
+    cache.allocate(1, 10, 10)
+
+
+def test_allocate_refuses_when_slots_run_out():
+    cache = make_cache(full_config(), max_num_seqs=1)
+    cache.allocate(0, 40, 8)
+    with pytest.raises(MemoryError, match="slot"):
+        cache.allocate(1, 40, 8)
+    assert cache.gpu.num_free == 64 - 3
+
+
+def test_config_checked_against_the_model():
+    with pytest.raises(ValueError, match="rank"):
+        make_cache(full_config(rank=HKV * D + 1))
