@@ -54,6 +54,14 @@ class KVCache(abc.ABC):
         """Whether a sequence of this shape fits in what is free now."""
 
     @abc.abstractmethod
+    def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a sequence of this shape could ever fit, with nothing else allocated."""
+
+    @abc.abstractmethod
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """(device bytes, host bytes) that `allocate` reserves for a sequence of this shape."""
+
+    @abc.abstractmethod
     def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
         """Reserve everything the sequence will need up to prompt_len + max_new_tokens tokens."""
 

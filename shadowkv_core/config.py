@@ -1,7 +1,7 @@
 """Configuration: small frozen dataclasses validated on construction, plus named presets."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +67,9 @@ class EngineConfig:
     gpu_cache_gib / host_cache_gib: memory for the KV caches on the device and for pinned host values;
         None derives them (device free memory x gpu_memory_utilization; 1 GiB each on CPU).
     prefill_chunk_tokens: tokens computed at once inside a layer during prefill (bounds activation memory).
+    max_prefill_tokens: prompt tokens prefilled together in one step (one longer prompt still runs alone).
+    max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
+    shadowkv: None keeps every sequence dense (full attention).
     """
 
     model: str
@@ -74,11 +77,13 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 8
     max_model_len: int | None = None
-    shadowkv: ShadowKVConfig | None = field(default_factory=ShadowKVConfig)
+    shadowkv: ShadowKVConfig | None = None
     gpu_cache_gib: float | None = None
     host_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     prefill_chunk_tokens: int = 8192
+    max_prefill_tokens: int = 16384
+    max_waiting: int = 256
     block_size: int = 16
     seed: int = 0
 
@@ -92,19 +97,19 @@ class EngineConfig:
         _require(0.0 < self.gpu_memory_utilization <= 1.0,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.prefill_chunk_tokens >= 1, f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        _require(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be > 0, got {value}")
         torch.device(self.device)  # raises a RuntimeError naming a malformed device string
 
-    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    def requested_dtype(self) -> torch.dtype | None:
+        """The weights' dtype; None means the checkpoint's own (float32 on CPU, where half precision is slow)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if torch.device(self.device).type == "cpu":
-            return torch.float32
-        return checkpoint_dtype or torch.bfloat16
-
+        return torch.float32 if torch.device(self.device).type == "cpu" else None
 
 PRESETS = {
     "paper": ShadowKVConfig(),  # Llama-3.1-8B at 1.56 % of 128K, the paper's setting

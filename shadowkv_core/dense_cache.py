@@ -39,6 +39,7 @@ class DenseKVCache(KVCache):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.blocks = BlockAllocator(num_blocks)
+        self.block_bytes = self.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[int, torch.Tensor] | None = None
@@ -53,6 +54,12 @@ class DenseKVCache(KVCache):
 
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
         return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_free
+
+    def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_blocks
+
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        return self.blocks_needed(prompt_len + max_new_tokens) * self.block_bytes, 0
 
     def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
         if seq_id in self.block_tables:
@@ -102,11 +109,12 @@ class DenseKVCache(KVCache):
         self._rows_cache = None
 
     def stats(self):
-        num_blocks = self.blocks.num_blocks
-        block_bytes = (self.k.numel() + self.v.numel()) * self.k.element_size() // num_blocks
+        used = self.blocks.num_blocks - self.blocks.num_free
         return {
             "num_seqs": len(self.block_tables),
-            "gpu_blocks_used": num_blocks - self.blocks.num_free,
-            "gpu_bytes_in_use": (num_blocks - self.blocks.num_free) * block_bytes,
+            "gpu_blocks_used": used,
+            "gpu_bytes_in_use": used * self.block_bytes,
+            "gpu_bytes_total": self.blocks.num_blocks * self.block_bytes,
             "host_bytes_in_use": 0,
+            "host_bytes_total": 0,
         }

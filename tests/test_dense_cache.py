@@ -47,4 +47,7 @@ def test_allocation_is_refused_when_full_and_free_returns_everything():
         cache.allocate(1, 1, 0)
     assert cache.stats()["gpu_blocks_used"] == 4
     cache.free(0)
-    assert cache.stats() == {"num_seqs": 0, "gpu_blocks_used": 0, "gpu_bytes_in_use": 0, "host_bytes_in_use": 0}
+    stats = cache.stats()
+    assert (stats["num_seqs"], stats["gpu_blocks_used"], stats["gpu_bytes_in_use"]) == (0, 0, 0)
+    assert cache.footprint(10, 6) == (4 * cache.block_bytes, 0)
+    assert cache.fits_when_empty(16, 0) and not cache.fits_when_empty(16, 1)

@@ -1,0 +1,140 @@
+"""LLMEngine: requests in, tokens out, one scheduling step at a time (the API the server drives)."""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from ..config import EngineConfig
+from ..models import load_model, load_tokenizer
+from .cache_factory import build_cache
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, self.spec = load_model(config.model, config.requested_dtype(), self.device,
+                                           config.prefill_chunk_tokens)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        self.eos_token_ids = set(self.spec.eos_token_ids)
+        self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
+                                 self.model.rotary)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    # ---- requests in -------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model ships no tokenizer; pass token ids")
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field when a request can never run on this engine."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.spec.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room under max_model_len "
+                             f"({self.max_model_len})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens})"
+                             f" exceeds max_model_len ({self.max_model_len})")
+        if not self.cache.fits_when_empty(len(prompt_token_ids), params.max_tokens):
+            gpu, host = self.footprint(len(prompt_token_ids), params.max_tokens)
+            raise ValueError(f"prompt: this request needs {gpu} GPU and {host} host bytes, more than this engine "
+                             "holds even when idle")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        if not self.scheduler.can_enqueue():
+            raise RuntimeError(f"the engine's waiting queue is full ({self.config.max_waiting} requests)")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, torch.Generator().manual_seed(seed))
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            seq.finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        outputs = []
+        if scheduled.prefill:
+            outputs += self._run(self.runner.prefill, scheduled.prefill)
+        if scheduled.decode:
+            outputs += self._run(self.runner.decode, scheduled.decode)
+        return outputs
+
+    def _run(self, forward, seqs: list[Sequence]) -> list[RequestOutput]:
+        try:
+            tokens = sample(forward(seqs), seqs)
+        except Exception as exc:  # one failed forward fails only its own requests, and frees them
+            logger.exception("engine step failed for %d requests", len(seqs))
+            for seq in seqs:
+                seq.finish("error", f"{type(exc).__name__}: {exc}")
+                self._release(seq)
+            return [seq.output(0) for seq in seqs]
+        for seq, token in zip(seqs, tokens):
+            self._append(seq, token)
+        return [seq.output(1) for seq in seqs]
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        params = seq.params
+        stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        length = len(seq.output_token_ids) >= params.max_tokens
+        seq.text = self._detokenize(seq, final=stopped or length)
+        for stop in params.stop:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text, stopped = seq.text[:at], True
+        if stopped or length:
+            seq.finish("stop" if stopped else "length")
+            self._release(seq)
+
+    def _detokenize(self, seq: Sequence, final: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return text if final else text.rstrip("\ufffd")  # a partial UTF-8 character waits for its next bytes
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+
+    # ---- what the server asks ----------------------------------------------------------------------------
+    def footprint(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
+        return self.cache.footprint(prompt_len, max_tokens)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                **self.cache.stats()}

@@ -1,0 +1,52 @@
+"""SamplingParams: what the caller asks of one request's generation, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens: tokens to generate at most. temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those
+    filters. seed makes a sampled request reproducible. stop: strings that end the output (not included in it);
+    stop_token_ids: extra token ids that end it. ignore_eos: keep going past the model's end-of-sequence token."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+               and math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
+        stop_ids = tuple(self.stop_token_ids)
+        _check(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "must be integers >= 0")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,87 @@
+"""Scheduler: continuous batching over ragged lengths.
+
+Every step, waiting sequences are admitted for prefill while the cache can hold them (everything they will ever
+need is reserved up front, so admitted work never runs out of memory mid-decode), and every running sequence decodes
+one token. Prefills are grouped by context length: the oldest waiting sequence picks the length bucket and only
+prompts of that bucket join its prefill batch, up to a token budget, so long prefills do not ride with short ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..attention import KVCache
+from .sequence import Sequence, SequenceStatus
+
+
+def length_bucket(num_tokens: int) -> int:
+    """Power-of-two bucket of a prompt length: 1-1, 2-3, 4-7, ..."""
+    return max(num_tokens, 1).bit_length()
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[Sequence]
+    decode: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_prefill_tokens: int, max_waiting: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def can_enqueue(self) -> bool:
+        return len(self.waiting) < self.max_waiting
+
+    def add(self, seq: Sequence) -> None:
+        if not self.can_enqueue():
+            raise RuntimeError(f"the waiting queue is full ({self.max_waiting} requests)")
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledStep:
+        decode = list(self.running)
+        prefill = self._admit()
+        self.running.extend(prefill)
+        return ScheduledStep(prefill, decode)
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        if not self.waiting:
+            return admitted
+        bucket = length_bucket(self.waiting[0].prompt_len)
+        tokens = 0
+        for seq in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            if length_bucket(seq.prompt_len) != bucket:
+                continue
+            if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
+                break
+            if not self.cache.can_allocate(seq.prompt_len, seq.params.max_tokens):
+                break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
+            self.cache.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            tokens += seq.prompt_len
+        return admitted
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's cache at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,68 @@
+"""Sequence: one request's CPU-side state through the engine, and the RequestOutput the engine reports."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every token generated so far
+    new_token_ids: list[int]  # generated in this step
+    text: str  # generated text so far, cut at a stop string; holds back a trailing partial UTF-8 character
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.error: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def output(self, num_new: int) -> RequestOutput:
+        new = self.output_token_ids[len(self.output_token_ids) - num_new:] if num_new else []
+        return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), new, self.text,
+                             self.is_finished, self.finish_reason, self.error)

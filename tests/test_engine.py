@@ -1,0 +1,121 @@
+import pytest
+import torch
+
+from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from shadowkv_core.tiny_model import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    return LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01)
+
+
+def prompts_of_lengths(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def cache_is_empty(engine):
+    stats = engine.stats()
+    return (stats["num_running"], stats["num_waiting"], stats["num_seqs"], stats["gpu_bytes_in_use"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("max_tokens", {"max_tokens": 0}), ("temperature", {"temperature": -0.1}), ("top_p", {"top_p": 0}),
+    ("top_k", {"top_k": -2}), ("stop", {"stop": [""]}), ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("seed", {"seed": 1.5}), ("temperature", {"temperature": float("nan")}),
+])
+def test_sampling_params_name_the_bad_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("field, prompt, params", [
+    ("prompt", [], GREEDY),
+    ("prompt", [1, 2, 10_000], GREEDY),
+    ("prompt", list(range(200)) * 3, GREEDY),
+    ("max_tokens", [1, 2, 3], SamplingParams(max_tokens=510)),
+])
+def test_bad_requests_are_refused_and_leave_the_engine_untouched(llm, field, prompt, params):
+    engine = llm.engine
+    before = engine.stats()
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, params)
+    assert engine.stats() == before and "bad" not in engine.requests
+
+
+def test_ragged_batch_equals_each_prompt_alone(llm):
+    prompts = prompts_of_lengths([3, 17, 40, 9, 64])
+    together = llm.generate(prompts, GREEDY)
+    alone = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in together)
+    assert cache_is_empty(llm.engine)
+
+
+def test_requests_join_mid_decode_and_abort_frees_everything(llm):
+    engine = llm.engine
+    first, late, doomed = prompts_of_lengths([20, 33, 50], seed=3)
+    want_late = llm.generate([late], GREEDY)[0].token_ids
+    engine.add_request("first", first, GREEDY)
+    engine.add_request("doomed", doomed, SamplingParams(max_tokens=100, temperature=0))
+    for _ in range(4):
+        engine.step()
+    engine.add_request("late", late, GREEDY)
+    outs = {}
+    engine.step()
+    assert engine.stats()["num_running"] == 3  # the late request joined the running decode batch
+    engine.abort("doomed")
+    assert engine.stats()["num_running"] == 2
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["late"].token_ids == want_late
+    assert "doomed" not in outs and cache_is_empty(engine)
+
+
+def test_stop_strings_stop_tokens_and_seeded_sampling(llm):
+    prompt = prompts_of_lengths([10], seed=5)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    third = free.token_ids[2]
+    by_token = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[third],
+                                                     ignore_eos=True))[0]
+    assert by_token.token_ids == free.token_ids[:free.token_ids.index(third) + 1]
+    assert by_token.finish_reason == "stop"
+    assert len(free.text) > 4, free.text
+    stop = free.text[2:4]
+    by_text = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True))[0]
+    assert by_text.finish_reason == "stop" and stop not in by_text.text
+    assert free.text.startswith(by_text.text)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a, b = llm.generate([prompt, prompt], sampled)
+    assert a.token_ids == b.token_ids and a.token_ids != free.token_ids[:16]
+
+
+def test_a_failing_step_fails_only_its_requests_and_frees_them(llm, monkeypatch):
+    engine = llm.engine
+    prompt = prompts_of_lengths([12], seed=9)[0]
+    engine.add_request("victim", prompt, GREEDY)
+
+    def broken(seqs):
+        raise RuntimeError("injected failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "prefill", broken)
+        (out,) = engine.step()
+    assert out.finished and out.finish_reason == "error" and "injected failure" in out.error
+    assert cache_is_empty(engine)
+    assert llm.generate([prompt], GREEDY)[0].finish_reason == "length"
+
+
+def test_engine_config_errors_are_clear(tiny_path):
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model=tiny_path, dtype="float8")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLMEngine(EngineConfig(model=tiny_path, max_num_seqs=0))
