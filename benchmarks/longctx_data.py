@@ -1,0 +1,217 @@
+"""Synthetic long-context tasks (RULER-style) over natural-text haystacks, byte-level, from seeds.
+
+The same code feeds training (`benchmarks/train_small_model.py`) and evaluation (`benchmarks/accuracy.py`); the two
+draw from disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval").
+
+Haystacks are text found on every Debian/Python machine, read in sorted order: the licences under
+/usr/share/common-licenses, the /usr/share/doc/*/copyright files and the running interpreter's stdlib sources.
+Since those differ between machines, `write_corpus` freezes them into one file that can travel with a run.
+
+Token ids are the project's byte-level vocabulary (tiny_model.save_byte_tokenizer): byte b is id b, BOS=256, EOS=257.
+A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes(answer) + [EOS]. The prompt is exactly
+`context` tokens long.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sysconfig
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+BOS, EOS = 256, 257
+TRAIN_SEED_BASE = 1_000_000_000  # training seeds are >= this, evaluation seeds below it
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
+_EVAL_EVERY = 10  # every 10th document (in sorted order) is held out for evaluation
+_SOURCE_CAP = 6_000_000  # bytes taken from each of the two large sources
+_ADJECTIVES = ("amber azure bitter brave calm crimson dusty eager faint fierce gentle golden hollow icy jolly "
+               "lucky mellow misty noble olive pale quiet rapid royal rusty silent silver smoky solar swift "
+               "tender vivid").split()
+_NOUNS = ("anchor badger beacon canyon cedar comet delta ember falcon fjord garnet harbor heron island jaguar "
+          "lantern maple meadow nebula orchid otter pebble quartz raven river saddle summit tiger tundra "
+          "valley walrus willow").split()
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    context: int  # prompt length in tokens, BOS and question included
+    depth: float  # position of the (first) queried needle in the haystack, 0.0 (start) to 1.0 (end)
+    prompt_ids: list[int]
+    answer: str  # expected completion; items separated by ", " (each scored on its own)
+    seed: int
+
+    @property
+    def answer_items(self) -> list[str]:
+        return self.answer.split(", ")
+
+
+# ---------------------------------------------------------------- corpus
+
+def _system_documents() -> list[str]:
+    licences = sorted(p for p in Path("/usr/share/common-licenses").glob("*") if p.is_file())
+    copyrights = sorted(Path("/usr/share/doc").glob("*/copyright"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = sorted(p for p in stdlib.rglob("*.py")
+                     if not ({"site-packages", "test", "tests"} & set(p.relative_to(stdlib).parts)))
+    docs = [_read_ascii(p) for p in licences]
+    for group in (copyrights, sources):
+        taken = 0
+        for path in group:
+            if taken >= _SOURCE_CAP:
+                break
+            docs.append(_read_ascii(path))
+            taken += len(docs[-1])
+    return [d for d in docs if len(d) > 200]
+
+
+def _read_ascii(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("ascii", errors="ignore")
+    except OSError:
+        return ""
+
+
+def write_corpus(path: str | Path) -> Path:
+    """Freeze this machine's haystack documents into one file (documents separated by form feeds)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\f".join(_system_documents()), encoding="ascii")
+    return path
+
+
+@lru_cache(maxsize=4)
+def load_corpus(split: str, corpus_file: str | None = None) -> str:
+    """All documents of one split ("train" or "eval") joined by blank lines."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    docs = (Path(corpus_file).read_text(encoding="ascii").split("\f") if corpus_file else _system_documents())
+    held_out = split == "eval"
+    return "\n\n".join(d for i, d in enumerate(docs) if (i % _EVAL_EVERY == 0) == held_out)
+
+
+def text_stream(seed: int, length: int, corpus_file: str | None = None) -> list[int]:
+    """`length` tokens of plain training text: BOS, then a seeded slice of the training corpus."""
+    text = load_corpus("train", corpus_file)
+    start = random.Random(seed).randrange(len(text) - length)
+    return [BOS] + list(text[start:start + length - 1].encode("ascii"))
+
+
+# ---------------------------------------------------------------- needles and questions
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}-{rng.randrange(10, 100)}"
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _distinct(rng: random.Random, make, count: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < count:
+        value = make(rng)
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def _needle(key: str, value: str) -> str:
+    return f" The special magic number for {key} is: {value}. "
+
+
+def _task_parts(task: str, rng: random.Random) -> tuple[list[str], list[int], str, str]:
+    """(needles in haystack order, indices of the queried needles, question, answer)."""
+    if task == "niah_single":
+        key, value = _key(rng), _number(rng)
+        return [_needle(key, value)], [0], _ask([key]), value
+    if task == "niah_multikey":
+        keys, values = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
+        pick = rng.randrange(4)
+        return [_needle(k, v) for k, v in zip(keys, values)], [pick], _ask([keys[pick]]), values[pick]
+    if task == "niah_multivalue":
+        key, values = _key(rng), _distinct(rng, _number, 4)
+        return [_needle(key, v) for v in values], [0], _ask([key], "are all the special magic numbers"), ", ".join(values)
+    if task == "niah_multiquery":
+        keys, values = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
+        picks = sorted(rng.sample(range(4), 2))
+        answer = ", ".join(values[i] for i in picks)
+        return [_needle(k, v) for k, v in zip(keys, values)], picks, _ask([keys[i] for i in picks]), answer
+    if task == "variable_tracking":
+        return _variable_chain(rng)
+    raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+
+
+def _ask(keys: list[str], what: str = "is the special magic number") -> str:
+    return f"\nQuestion: What {what} for {' and '.join(keys)}?\nAnswer: "
+
+
+def _variable_chain(rng: random.Random, hops: int = 4) -> tuple[list[str], list[int], str, str]:
+    names = _distinct(rng, lambda r: "".join(r.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)), hops)
+    value = str(rng.randrange(10_000, 100_000))
+    needles = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i]} = VAR {names[i - 1]}. " for i in range(1, hops)]
+    question = f"\nQuestion: Which variables are assigned the value {value}?\nAnswer: "
+    return needles, [0], question, ", ".join(names)
+
+
+# ---------------------------------------------------------------- assembly
+
+def make_sample(task: str, context: int, seed: int, depth: float | None = None,
+                split: str = "eval", corpus_file: str | None = None) -> Sample:
+    """One sample of `task` whose prompt is exactly `context` tokens; `depth` places the first queried needle
+    (None draws it). The other needles go to random depths."""
+    rng = random.Random(f"{task}:{seed}")  # str seeds hash deterministically; tasks of one seed differ
+    needles, queried, question, answer = _task_parts(task, rng)
+    depths = [rng.random() for _ in needles]
+    if depth is not None:
+        depths[queried[0]] = depth
+    if task == "variable_tracking":  # the chain's assignments stay in order, after its first one
+        depths = [depths[0]] + sorted(depths[0] + (1 - depths[0]) * d for d in depths[1:])
+    budget = context - 1 - len(question) - sum(len(n) for n in needles)
+    if budget < 16:
+        raise ValueError(f"context {context} too short for task {task!r}")
+    text = load_corpus(split, corpus_file)
+    start = rng.randrange(len(text) - budget)
+    haystack = text[start:start + budget]
+    pieces, cut, first_depth = [], 0, 0.0
+    for d, i in sorted(zip(depths, range(len(needles)))):  # needles enter the haystack in depth order
+        at = max(_snap(haystack, int(d * budget)), cut)
+        pieces += [haystack[cut:at], needles[i]]
+        if i == queried[0]:
+            first_depth = at / budget
+        cut = at
+    body = "".join(pieces) + haystack[cut:] + question
+    ids = [BOS] + list(body.encode("ascii"))
+    assert len(ids) == context, (len(ids), context)
+    return Sample(task, context, round(first_depth, 4), ids, answer, seed)
+
+
+def _snap(haystack: str, at: int) -> int:
+    """Move an insertion point back to the nearest whitespace (at most 64 bytes) so no word is split."""
+    for back in range(min(64, at)):
+        if haystack[at - back - 1].isspace():
+            return at - back
+    return at
+
+
+def score(sample: Sample, completion: str) -> float:
+    """0-100: the share of the answer's items found in the completion (RULER's string-match recall)."""
+    items = sample.answer_items
+    return 100.0 * sum(item in completion for item in items) / len(items)
+
+
+def answer_ids(sample: Sample) -> list[int]:
+    return list(sample.answer.encode("ascii")) + [EOS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-corpus", required=True, help="file to freeze this machine's haystack text into")
+    args = parser.parse_args()
+    path = write_corpus(args.write_corpus)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
