@@ -1,0 +1,99 @@
+"""The application builder Serve configs point at: `import_path: serve_app.app:build_app`, with `args` from the YAML.
+
+    applications:
+      - name: shadowkv
+        import_path: serve_app.app:build_app
+        args: {model: models/shadowkv-small, device: cpu, max_num_seqs: 4, num_gpus: 0}
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from serve_app.engine_replica import EngineReplica
+from serve_app.ingress import Ingress
+from shadowkv_core import ShadowKVConfig
+from shadowkv_core.config import PRESETS
+
+logger = logging.getLogger("ray.serve")
+TINY_MODEL_DIR = Path(os.environ.get("SHADOWKV_CACHE", Path.home() / ".cache" / "shadowkv")) / "tiny-model"
+POLICY = "serve_app.autoscaling:memory_demand_policy"
+
+
+class AppArgs(BaseModel):
+    """Everything the YAML's `args` may set; unknown keys are an error, so a typo fails at start-up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    served_model_name: str | None = None
+    tiny_model_fallback: bool = False  # the model is missing: serve a tiny random model instead, and say so
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = Field(default=8, ge=1)
+    max_model_len: int | None = None
+    shadowkv: str | dict[str, Any] | None = None  # a preset name ("paper", "small") or ShadowKVConfig fields
+    engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig fields
+    num_gpus: float = Field(default=0, ge=0)
+    num_cpus: float = Field(default=1, ge=0)
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=1, ge=1)
+    max_waiting: int = Field(default=16, ge=0)  # requests waiting for room in the ingress, beyond that 429
+    max_wait_s: float = Field(default=0.5, ge=0)  # the longest a request waits for room before its 429
+    default_max_tokens: int = Field(default=256, ge=1)
+
+
+def resolve_model(args: AppArgs) -> str:
+    """A local model directory as an absolute path (replicas may run elsewhere in the tree); the tiny model when
+    the configured one is missing and the fallback is on."""
+    path = Path(args.model).expanduser()
+    if path.exists() or not args.tiny_model_fallback:
+        return str(path.resolve()) if path.exists() else args.model
+    from shadowkv_core.tiny_model import build_tiny_model
+
+    if not (TINY_MODEL_DIR / "config.json").exists():
+        build_tiny_model(TINY_MODEL_DIR)
+    logger.warning("MODEL NOT FOUND: %s does not exist (the project's small model is not shipped yet). Serving a "
+                   "TINY RANDOM-WEIGHT model from %s instead: its output is meaningless text.", path, TINY_MODEL_DIR)
+    return str(TINY_MODEL_DIR)
+
+
+def shadowkv_config(spec: str | dict[str, Any] | None) -> ShadowKVConfig | None:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"shadowkv: unknown preset {spec!r}; presets are {sorted(PRESETS)}")
+        return PRESETS[spec]
+    return ShadowKVConfig(**spec)
+
+
+def engine_config(args: AppArgs, model: str) -> dict[str, Any]:
+    return {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "shadowkv": shadowkv_config(args.shadowkv), **args.engine}
+
+
+def replica_options(args: AppArgs) -> dict[str, Any]:
+    options: dict[str, Any] = {"ray_actor_options": {"num_gpus": args.num_gpus, "num_cpus": args.num_cpus},
+                               "max_ongoing_requests": 2 * args.max_num_seqs}
+    if args.max_replicas > args.min_replicas:
+        options["autoscaling_config"] = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                                         "policy": {"policy_function": POLICY}}
+    else:
+        options["num_replicas"] = args.min_replicas
+    return options
+
+
+def build_app(raw_args: dict[str, Any]) -> Application:
+    args = AppArgs(**raw_args)
+    model = resolve_model(args)
+    served_name = args.served_model_name or Path(args.model).name
+    engine = EngineReplica.options(**replica_options(args)).bind(engine_config(args, model), served_name)
+    return Ingress.bind(engine, max_waiting=args.max_waiting, max_wait_s=args.max_wait_s,
+                        default_max_tokens=args.default_max_tokens)
+

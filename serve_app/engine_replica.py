@@ -1,0 +1,184 @@
+"""The engine deployment: one replica per device, owning one `LLMEngine`.
+
+One worker thread owns the engine; an async step loop on the replica's event loop hands it the requests that
+arrived (and the aborts) since the last step, runs `engine.step()` there, and hands each request's newest output to
+its stream. A stream keeps only its newest output (outputs are cumulative), so nothing queues up behind a slow
+client. A client that goes away cancels the `generate` generator, which aborts the request in the engine at the
+next step boundary, freeing its slot and pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.admission import FootprintModel
+from serve_app.replica_stream import RequestStream, error_event
+from serve_app.router import MemoryAwareRouter
+from shadowkv_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+ROUTING_STATS_PERIOD_S = 0.5
+UNHEALTHY_AFTER_S = 120.0  # a step that takes this long means a stuck engine
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    refused: list[tuple[str, int, str]]  # (request_id, HTTP status, message)
+    stats: dict
+    busy: bool
+
+
+@dataclass
+class _Held:
+    gpu_bytes: int
+    host_bytes: int
+    stream: RequestStream = field(default_factory=RequestStream)
+
+
+@serve.deployment(
+    max_ongoing_requests=64,
+    health_check_period_s=5.0,
+    health_check_timeout_s=30.0,
+    request_router_config=RequestRouterConfig(request_router_class=MemoryAwareRouter,
+                                              request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+)
+class EngineReplica:
+    def __init__(self, engine_config: dict, served_model_name: str):
+        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.served_model_name = served_model_name
+        self.max_num_seqs = self.engine.config.max_num_seqs
+        self.footprint_model = FootprintModel.fit(self.engine.footprint, self.engine.max_model_len)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._held: dict[str, _Held] = {}
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._stats = self.engine.stats()
+        self._step_started: float | None = None
+        self._loop_task: asyncio.Task | None = None
+        logger.info("engine replica ready: %s, max_model_len %d, %d slots", served_model_name,
+                    self.engine.max_model_len, self.max_num_seqs)
+
+    # ---- what the ingress calls ------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        return {"model": self.served_model_name, "max_model_len": self.engine.max_model_len,
+                "tokenizer": self.engine.tokenizer, "footprint": self.footprint_model.to_dict()}
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Stream one request's events; `request` holds request_id, prompt_token_ids, params, gpu_bytes,
+        host_bytes (the ingress's prediction, which this replica's reported free bytes account for)."""
+        self._ensure_step_loop()
+        request_id = request["request_id"]
+        refusal = self._refusal(request_id)
+        if refusal is not None:
+            yield refusal
+            return
+        held = self._held[request_id] = _Held(request["gpu_bytes"], request["host_bytes"])
+        self._adds.append((request_id, request["prompt_token_ids"], request["params"]))
+        self._wake.set()
+        try:
+            async for event in held.stream.events():
+                yield event
+        finally:
+            if not held.stream.finished:  # cancelled (client gone) or closed early: free it in the engine now
+                self._aborts.append(request_id)
+                self._wake.set()
+            self._held.pop(request_id, None)
+
+    def stats(self) -> dict:
+        return {**self._stats, "num_held": len(self._held)}
+
+    # ---- what Serve calls ------------------------------------------------------------------------------------
+    def record_routing_stats(self) -> dict:
+        gpu_held = sum(h.gpu_bytes for h in self._held.values())
+        host_held = sum(h.host_bytes for h in self._held.values())
+        s = self._stats
+        return {**s,
+                "free_gpu_bytes": s["gpu_bytes_total"] - max(gpu_held, s["gpu_bytes_in_use"]),
+                "free_host_bytes": s["host_bytes_total"] - max(host_held, s["host_bytes_in_use"]),
+                "free_slots": self.max_num_seqs - len(self._held),
+                "request_ids": list(self._held)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Predicted memory demand as a share of this replica's capacity (the larger of GPU, host and slots)."""
+        s = self._stats
+        gpu = sum(h.gpu_bytes for h in self._held.values()) / max(1, s["gpu_bytes_total"])
+        host = sum(h.host_bytes for h in self._held.values()) / max(1, s["host_bytes_total"])
+        slots = len(self._held) / self.max_num_seqs
+        return {"memory_demand": max(gpu, host, slots), "num_waiting": float(s.get("num_waiting", 0))}
+
+    def check_health(self) -> None:
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError(f"the engine step loop has stopped: {self._loop_task.exception()!r}")
+        if self._step_started is not None and time.monotonic() - self._step_started > UNHEALTHY_AFTER_S:
+            raise RuntimeError(f"an engine step has run for more than {UNHEALTHY_AFTER_S:.0f} s")
+
+    # ---- the step loop ---------------------------------------------------------------------------------------
+    def _refusal(self, request_id: str) -> dict | None:
+        if request_id in self._held:
+            return error_event(400, f"request id {request_id!r} is already in flight", param="request_id")
+        if len(self._held) >= self.max_num_seqs:
+            return error_event(429, "this replica has no free slot; retry later", type="rate_limit_error",
+                               code="rate_limit_exceeded")
+        return None
+
+    def _ensure_step_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        busy = False
+        while True:
+            if not (busy or self._adds or self._aborts):
+                self._wake.clear()
+                await self._wake.wait()
+            adds, aborts = self._adds, self._aborts
+            self._adds, self._aborts = [], []
+            self._step_started = time.monotonic()
+            try:
+                result = await loop.run_in_executor(self._executor, self._run_step, adds, aborts)
+            except Exception as exc:  # the engine is in an unknown state: fail what runs, keep serving
+                logger.exception("engine step failed")
+                result = self._fail_all(adds, f"engine step failed: {type(exc).__name__}: {exc}")
+            self._step_started = None
+            busy = result.busy
+            self._dispatch(result)
+
+    def _run_step(self, adds: list[tuple[str, list[int], SamplingParams]], aborts: list[str]) -> StepResult:
+        """Runs on the engine thread, the only thread that touches the engine."""
+        refused = []
+        for request_id in aborts:
+            self.engine.abort(request_id)
+        for request_id, prompt_token_ids, params in adds:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except ValueError as exc:
+                refused.append((request_id, 400, str(exc)))
+            except RuntimeError as exc:  # the engine's waiting queue is full
+                refused.append((request_id, 429, str(exc)))
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return StepResult(outputs, refused, self.engine.stats(), self.engine.has_unfinished_requests())
+
+    def _fail_all(self, adds, message: str) -> StepResult:
+        request_ids = set(self._held) | {request_id for request_id, _, _ in adds}
+        for request_id in request_ids:
+            self._executor.submit(self.engine.abort, request_id)
+        return StepResult([], [(rid, 500, message) for rid in request_ids], self._stats, False)
+
+    def _dispatch(self, result: StepResult) -> None:
+        self._stats = result.stats
+        for request_id, status, message in result.refused:
+            if request_id in self._held:
+                self._held[request_id].stream.fail(status, message)
+        for output in result.outputs:
+            if output.request_id in self._held:
+                self._held[output.request_id].stream.push(output)

@@ -1,0 +1,164 @@
+"""The ingress deployment: OpenAI-compatible HTTP API (FastAPI through `serve.ingress`), admission, streaming.
+
+Per request: validate (pydantic), tokenize and check the context length (worker thread), predict its bytes, admit
+it onto a replica with room (or refuse at once), stream the engine replica's events back as SSE or one body.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.admission import AdmissionGate, FootprintModel, board_for
+from serve_app.errors import OpenAIError, install_error_handlers, not_ready
+from serve_app.metrics import ServiceMetrics
+from serve_app.prepare import prepare
+from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+                                new_request_id)
+from serve_app.streaming import ChunkFormatter, collect, raise_if_error, sse_stream
+
+logger = logging.getLogger("ray.serve")
+MODEL_INFO_TIMEOUT_S = 2.0
+
+api = FastAPI(title="ShadowKV Serve", description="OpenAI-compatible long-context LLM serving")
+install_error_handlers(api)
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
+                 default_max_tokens: int = 256):
+        self.engine = engine
+        self.stream_engine = engine.options(stream=True)
+        self.board = board_for(serve.get_replica_context().app_name, engine.deployment_name)
+        self.gate = AdmissionGate(self.board, max_waiting=max_waiting, max_wait_s=max_wait_s)
+        self.default_max_tokens = default_max_tokens
+        self.metrics = ServiceMetrics()
+        self.info: dict | None = None
+        self.footprint: FootprintModel | None = None
+        self._info_task: asyncio.Task | None = None
+
+    # ---- routes ----------------------------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        await self._require_ready()
+        return JSONResponse({"status": "ok", "replicas": self.board.num_replicas()})
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        await self._require_ready()
+        return ModelList(data=[ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"])])
+
+    @api.get("/metrics")
+    async def metrics_text(self) -> Response:
+        body = self.metrics.render(self.board.reports(), self.gate.num_waiting, self.board.num_reserved())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: CompletionRequest):
+        return await self._serve(request, "completion", new_request_id("cmpl"))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: ChatCompletionRequest):
+        return await self._serve(request, "chat", new_request_id("chatcmpl"))
+
+    # ---- one request -----------------------------------------------------------------------------------------
+    async def _serve(self, request, kind: str, request_id: str):
+        arrived = time.monotonic()
+        await self._require_ready()
+        self._check_model(request.model)
+        prepared = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
+                                           self.default_max_tokens)
+        gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
+        await self._admit(request_id, gpu, host)
+        events = self._events(request_id, prepared, gpu, host, arrived)
+        first = await self._first_event(events)
+        model = self.info["model"]
+        if request.stream:
+            fmt = ChunkFormatter(kind, request_id, model)
+            return StreamingResponse(sse_stream(_prepend(first, events), fmt, request.include_usage),
+                                     media_type="text/event-stream")
+        return await collect(_prepend(first, events), kind, request_id, model)
+
+    async def _admit(self, request_id: str, gpu: int, host: int) -> None:
+        try:
+            await self.gate.admit(request_id, gpu, host)
+        except OpenAIError as exc:
+            self.metrics.rejected.labels(reason=exc.code or str(exc.status)).inc()
+            raise
+        self.metrics.admitted.inc()
+
+    async def _events(self, request_id: str, prepared, gpu: int, host: int, arrived: float) -> AsyncIterator[dict]:
+        """The replica's events for one request; records TTFT and inter-token latency, and on any exit (done,
+        error, client gone) cancels the replica-side generator and drops the reservation."""
+        payload = {"request_id": request_id, "prompt_token_ids": prepared.prompt_token_ids,
+                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host}
+        stream = self.stream_engine.generate.remote(payload)
+        last, finished = None, False
+        try:
+            async for event in stream:
+                now, count = time.monotonic(), event.get("num_new_tokens", 0)
+                if count:
+                    self._observe_latency(now - (last or arrived), count, first=last is None)
+                    last = now
+                finished = "error" in event or event["finished"]
+                yield event
+        finally:
+            if not finished:
+                stream.cancel()
+            self.board.release(request_id)
+
+    def _observe_latency(self, gap_s: float, count: int, first: bool) -> None:
+        self.metrics.record_tokens(count)
+        if first:
+            self.metrics.ttft.observe(gap_s)
+        else:
+            self.metrics.itl.observe(gap_s / count)
+
+    async def _first_event(self, events: AsyncIterator[dict]) -> dict:
+        """Wait for the first event so that a refusal by the replica gets its own HTTP status, even when streaming."""
+        try:
+            first = await anext(events)
+            raise_if_error(first)
+            return first
+        except BaseException:
+            await events.aclose()
+            raise
+
+    # ---- readiness -------------------------------------------------------------------------------------------
+    async def _require_ready(self) -> None:
+        if self.info is None:
+            if self._info_task is None or self._info_task.done():
+                self._info_task = asyncio.get_running_loop().create_task(self._load_info())
+            await asyncio.wait([self._info_task], timeout=MODEL_INFO_TIMEOUT_S)
+        if self.info is None:
+            raise not_ready("no engine replica has answered yet")
+        if self.board.num_replicas() == 0:
+            raise not_ready("no engine replica has reported its capacity yet")
+
+    async def _load_info(self) -> None:
+        try:
+            info = await self.engine.model_info.remote()
+        except Exception:
+            logger.exception("could not get the model's info from an engine replica")
+            return
+        self.footprint = FootprintModel.from_dict(info["footprint"])
+        self.info = info
+
+    def _check_model(self, model: str) -> None:
+        if model != self.info["model"]:
+            raise OpenAIError(404, f"The model {model!r} does not exist; this service serves "
+                                   f"{self.info['model']!r}.", param="model", code="model_not_found")
+
+
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for event in rest:
+        yield event

@@ -1,0 +1,57 @@
+"""The ingress's Prometheus metrics, in a registry of its own (Ray's process-wide metrics stay separate), rendered as
+Prometheus text by GET /metrics."""
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKENS_PER_S_WINDOW_S = 10.0
+_REPLICA_SUMS = ("gpu_bytes_in_use", "gpu_bytes_total", "host_bytes_in_use", "host_bytes_total", "num_running",
+                 "num_waiting")
+
+
+class ServiceMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("shadowkv_admission_queue_depth", "Requests waiting for admission", registry=r)
+        self.reserved = Gauge("shadowkv_admission_reserved", "Requests placed but not yet in a replica report",
+                              registry=r)
+        self.admitted = Counter("shadowkv_requests_admitted", "Requests admitted", registry=r)
+        self.rejected = Counter("shadowkv_requests_rejected", "Requests refused", ["reason"], registry=r)
+        self.tokens = Counter("shadowkv_generated_tokens", "Tokens generated", registry=r)
+        self.tokens_per_s = Gauge("shadowkv_tokens_per_second", "Tokens generated per second, last 10 s",
+                                  registry=r)
+        self.ttft = Histogram("shadowkv_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS_S)
+        self.itl = Histogram("shadowkv_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
+                             buckets=LATENCY_BUCKETS_S)
+        self.hit_rate = Gauge("shadowkv_hit_rate", "Mean ShadowKV chunk hit rate over replicas", registry=r)
+        self.replicas = Gauge("shadowkv_replicas_ready", "Engine replicas that reported capacity", registry=r)
+        self.replica_sums = {k: Gauge(f"shadowkv_{k}", f"{k}, summed over replicas", registry=r)
+                             for k in _REPLICA_SUMS}
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+
+    def record_tokens(self, count: int) -> None:
+        if count > 0:
+            self.tokens.inc(count)
+            self._recent_tokens.append((time.monotonic(), count))
+
+    def render(self, reports: list[dict], queue_depth: int, reserved: int) -> bytes:
+        """Refresh the gauges from the replicas' latest reports, then render everything as Prometheus text."""
+        self.queue_depth.set(queue_depth)
+        self.reserved.set(reserved)
+        self.replicas.set(len(reports))
+        for key, gauge in self.replica_sums.items():
+            gauge.set(sum(rep.get(key, 0) for rep in reports))
+        rates = [rep["hit_rate"] for rep in reports if rep.get("hit_rate") is not None]
+        self.hit_rate.set(sum(rates) / len(rates) if rates else 0.0)
+        self.tokens_per_s.set(self._tokens_per_second())
+        return generate_latest(self.registry)
+
+    def _tokens_per_second(self) -> float:
+        since = time.monotonic() - TOKENS_PER_S_WINDOW_S
+        return sum(n for t, n in self._recent_tokens if t >= since) / TOKENS_PER_S_WINDOW_S

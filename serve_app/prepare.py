@@ -1,0 +1,63 @@
+"""From an OpenAI request to what the engine takes: prompt token ids, max_tokens, `SamplingParams`; every check
+that can fail here fails as a 400 in OpenAI's shape, before any capacity is reserved."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from serve_app.errors import context_length_exceeded, invalid_field
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from shadowkv_core import SamplingParams
+
+_FIELD_PREFIX = re.compile(r"^(\w+)")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """Tokenize the prompt the way the engine does (`tokenizer(prompt)`), or render the chat template first."""
+    if isinstance(request, ChatCompletionRequest):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise invalid_field("messages", "this model ships no chat template; use /v1/completions")
+        messages = [m.model_dump() for m in request.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(request.prompt, str):
+        return tokenizer(request.prompt)["input_ids"]
+    vocab_size = len(tokenizer)
+    if any(t < 0 or t >= vocab_size for t in request.prompt):
+        raise invalid_field("prompt", f"token ids must be in [0, {vocab_size})")
+    return list(request.prompt)
+
+
+def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int,
+                  default_max_tokens: int) -> int:
+    """The request's max_tokens (or the default, capped by the room left), checked against the context length."""
+    asked = request.requested_max_tokens if isinstance(request, ChatCompletionRequest) else request.max_tokens
+    max_tokens = asked if asked is not None else max(1, min(default_max_tokens, max_model_len - prompt_len))
+    if prompt_len + max_tokens > max_model_len:
+        raise context_length_exceeded(prompt_len, max_tokens, max_model_len)
+    return max_tokens
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                              top_k=request.top_k, seed=request.seed, stop=list(request.stop),
+                              ignore_eos=request.ignore_eos)
+    except ValueError as exc:
+        named = _FIELD_PREFIX.match(str(exc))
+        raise invalid_field(named.group(1) if named else "request", str(exc)) from exc
+
+
+def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> Prepared:
+    """Blocking (tokenization of a long prompt): the ingress runs it in a worker thread."""
+    token_ids = prompt_token_ids(tokenizer, request)
+    if not token_ids:
+        raise invalid_field("prompt", "the prompt must not be empty")
+    max_tokens = max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens)
+    return Prepared(token_ids, sampling_params(request, max_tokens))

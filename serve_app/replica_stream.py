@@ -1,0 +1,61 @@
+"""One request's stream inside the engine replica: the step loop pushes the newest cumulative `RequestOutput`, the
+`generate` generator turns it into events holding only what is new since the last one it yielded.
+
+Bounded by construction: a stream holds one output, however far its consumer falls behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import AsyncIterator
+
+from shadowkv_core import RequestOutput
+
+_FIELD_PREFIX = re.compile(r"^(\w+):")
+
+
+def error_event(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict:
+    """An event carrying an OpenAI error body; `param` defaults to the field the engine's message names first."""
+    if param is None and status == 400:
+        named = _FIELD_PREFIX.match(message)
+        param = named.group(1) if named else None
+    return {"error": {"message": message, "type": type, "param": param, "code": code}, "status": status}
+
+
+class RequestStream:
+    def __init__(self):
+        self._latest: RequestOutput | None = None
+        self._error: dict | None = None
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def push(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._ready.set()
+
+    def fail(self, status: int, message: str) -> None:
+        kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+        self._error = error_event(status, message, type=kind)
+        self._ready.set()
+
+    async def events(self) -> AsyncIterator[dict]:
+        sent_text, sent_tokens = "", 0
+        while not self.finished:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._error is not None:
+                self.finished = True
+                yield self._error
+                return
+            output = self._latest
+            if output.finish_reason == "error":
+                self.finished = True
+                yield error_event(500, f"the engine failed this request: {output.error}", type="server_error")
+                return
+            self.finished = output.finished
+            text = output.text[len(sent_text):] if output.text.startswith(sent_text) else ""
+            yield {"text": text, "num_new_tokens": len(output.token_ids) - sent_tokens,
+                   "finished": output.finished, "finish_reason": output.finish_reason,
+                   "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+            sent_text, sent_tokens = sent_text + text, len(output.token_ids)

@@ -1,0 +1,92 @@
+"""Server-sent events and OpenAI response bodies built from the engine replica's events.
+
+An engine event is a dict: {"text": new text, "num_new_tokens", "finished", "finish_reason", "prompt_tokens",
+"completion_tokens"}, or {"error": OpenAI error body fields, "status": HTTP status} when the replica refused it.
+"""
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Literal
+
+from pydantic import BaseModel
+
+from serve_app.errors import OpenAIError
+from serve_app.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                CompletionChoice, CompletionResponse, DeltaMessage, ResponseMessage, Usage)
+
+SSE_DONE = "data: [DONE]\n\n"
+Kind = Literal["completion", "chat"]
+
+
+def sse(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def raise_if_error(event: dict) -> None:
+    if "error" in event:
+        err = event["error"]
+        raise OpenAIError(event.get("status", 500), err["message"], type=err.get("type", "server_error"),
+                          param=err.get("param"), code=err.get("code"))
+
+
+class ChunkFormatter:
+    """Builds one stream's chunks, in the shape of `kind`'s OpenAI streaming response."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str):
+        self.kind, self.request_id, self.model = kind, request_id, model
+
+    def opening(self) -> list[str]:
+        if self.kind == "chat":
+            return [sse(self._chat([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]))]
+        return []
+
+    def delta(self, text: str, finish_reason: str | None) -> str:
+        if self.kind == "chat":
+            delta = DeltaMessage(content=text or None)
+            return sse(self._chat([ChatChunkChoice(delta=delta, finish_reason=finish_reason)]))
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice]))
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        usage = Usage.of(prompt_tokens, completion_tokens)
+        if self.kind == "chat":
+            return sse(self._chat([], usage))
+        return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage))
+
+    def _chat(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
+
+
+async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: the chunks, the usage chunk if asked for, then [DONE]; an error mid-stream is sent as an
+    OpenAI error event (the SDK raises it) before [DONE]."""
+    for line in fmt.opening():
+        yield line
+    try:
+        async for event in events:
+            raise_if_error(event)
+            if event["text"] or event["finished"]:
+                yield fmt.delta(event["text"], event["finish_reason"])
+            if event["finished"] and include_usage:
+                yield fmt.usage(event["prompt_tokens"], event["completion_tokens"])
+    except OpenAIError as exc:
+        yield sse(exc.body())
+    yield SSE_DONE
+
+
+async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str) -> BaseModel:
+    """The whole (non-streaming) response body."""
+    parts, last = [], None
+    async for event in events:
+        raise_if_error(event)
+        parts.append(event["text"])
+        last = event
+    if last is None:
+        raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
+    text, usage = "".join(parts), Usage.of(last["prompt_tokens"], last["completion_tokens"])
+    if kind == "chat":
+        choice = ChatChoice(message=ResponseMessage(content=text), finish_reason=last["finish_reason"])
+        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
+    choice = CompletionChoice(text=text, finish_reason=last["finish_reason"])
+    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)

@@ -1,0 +1,168 @@
+"""serve_app's plain-Python parts, without Ray: schemas, errors, SSE, footprint fit, capacity board, admission gate,
+metrics, autoscaling arithmetic."""
+import asyncio
+import json
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.admission import AdmissionGate, CapacityBoard, FootprintModel
+from serve_app.autoscaling import desired_replicas
+from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
+from serve_app.metrics import ServiceMetrics
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
+
+GIB = 1 << 30
+
+
+def _report(free_gpu, free_host=0, slots=4, ids=(), total_gpu=4 * GIB, total_host=0):
+    return {"free_gpu_bytes": free_gpu, "free_host_bytes": free_host, "free_slots": slots, "request_ids": list(ids),
+            "gpu_bytes_total": total_gpu, "host_bytes_total": total_host}
+
+
+def _events(texts, prompt_tokens=3):
+    async def gen():
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            yield {"text": text, "num_new_tokens": 1, "finished": last, "finish_reason": "length" if last else None,
+                   "prompt_tokens": prompt_tokens, "completion_tokens": i + 1}
+    return gen()
+
+
+async def _drain(agen):
+    return [x async for x in agen]
+
+
+def test_request_schemas_refuse_what_they_cannot_honour():
+    assert CompletionRequest(model="m", prompt="hi").n == 1
+    for bad in ({"n": 2}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
+                {"stop": [""]}, {"echo": True}, {"prompt": ""}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[])
+    assert CompletionRequest(model="m", prompt="hi", stop="x").stop == ["x"]
+
+
+def test_error_bodies_have_openai_shape():
+    err = context_length_exceeded(100, 50, 128)
+    assert err.status == 400 and set(err.body()["error"]) == {"message", "type", "param", "code"}
+    assert err.body()["error"]["code"] == "context_length_exceeded"
+    busy = over_capacity(0.2)
+    assert busy.status == 429 and busy.type == "rate_limit_error" and busy.headers["Retry-After"] == "1"
+
+
+def test_sse_stream_chunks_usage_and_done():
+    fmt = ChunkFormatter("chat", "chatcmpl-1", "m")
+    lines = asyncio.run(_drain(sse_stream(_events(["a", "b"]), fmt, include_usage=True)))
+    assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
+    assert lines[-1] == SSE_DONE
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "ab"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+def test_sse_stream_sends_an_error_event_then_done():
+    async def failing():
+        yield {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
+    lines = asyncio.run(_drain(sse_stream(failing(), ChunkFormatter("completion", "c", "m"), False)))
+    assert json.loads(lines[0][6:])["error"]["message"] == "boom" and lines[-1] == SSE_DONE
+
+
+def test_collect_builds_one_body_with_usage():
+    body = asyncio.run(collect(_events(["x", "y", "z"]), "completion", "cmpl-1", "m"))
+    assert body.choices[0].text == "xyz" and body.usage.completion_tokens == 3 and body.usage.prompt_tokens == 3
+
+
+def test_footprint_fit_never_under_predicts_a_paged_cache():
+    page_tokens, page_bytes = 16, 4096
+
+    def paged(prompt_len, max_tokens):  # like a paged cache: whole pages of prompt + generation
+        return -(-(prompt_len + max_tokens) // page_tokens) * page_bytes, 0
+
+    model = FootprintModel.fit(paged, 8192)
+    for p in range(1, 2000, 7):
+        for m in (1, 5, 33, 300):
+            predicted, actual = model.predict(p, m)[0], paged(p, m)[0]
+            assert actual <= predicted <= actual + 2 * page_bytes
+    assert FootprintModel.from_dict(model.to_dict()) == model
+
+
+def test_board_places_best_fit_and_tracks_reservations_between_reports():
+    board = CapacityBoard()
+    board.update({"big": _report(4 * GIB), "small": _report(1 * GIB)})
+    assert board.place("r1", GIB // 2, 0) == "small"  # least left over
+    assert board.place("r2", GIB // 2, 0) == "small"
+    assert board.place("r3", GIB // 2, 0) == "big"  # small is full by reservations
+    board.update({"big": _report(4 * GIB), "small": _report(0, ids=["r1", "r2"])})  # report now counts r1, r2
+    assert board.num_reserved() == 1 and board.placement("r3") == "big"
+    board.release("r3")
+    assert board.num_reserved() == 0 and board.place("r4", 5 * GIB, 0) is None
+    assert not board.fits_when_idle(5 * GIB, 0) and board.fits_when_idle(GIB, 0)
+
+
+def test_board_respects_slots_and_ignores_unreported_replicas():
+    board = CapacityBoard()
+    board.update({"a": _report(4 * GIB, slots=1), "b": {}})
+    assert board.num_replicas() == 1
+    assert board.place("r1", 1, 0) == "a" and board.place("r2", 1, 0) is None
+
+
+def test_gate_refuses_at_once_when_no_room_and_no_waiting_allowed():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=0, max_wait_s=5.0)
+    assert asyncio.run(gate.admit("r1", 1, 0)) == "a"
+    start = time.monotonic()
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(gate.admit("r2", 1, 0))
+    assert exc.value.status == 429 and time.monotonic() - start < 0.05
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(gate.admit("r3", 5 * GIB, 0))
+    assert exc.value.status == 400
+
+
+def test_gate_waits_a_bounded_time_for_room():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=1, max_wait_s=1.0, poll_s=0.01)
+
+    async def scenario():
+        assert await gate.admit("r1", 1, 0) == "a"
+        waiter = asyncio.create_task(gate.admit("r2", 1, 0))
+        await asyncio.sleep(0.05)
+        assert gate.num_waiting == 1
+        with pytest.raises(OpenAIError):  # the waiting line (1) is full: refused at once
+            await gate.admit("r3", 1, 0)
+        board.release("r1")
+        return await waiter
+
+    assert asyncio.run(scenario()) == "a"
+
+
+def test_metrics_render_prometheus_text():
+    metrics = ServiceMetrics()
+    metrics.admitted.inc()
+    metrics.rejected.labels(reason="rate_limit_exceeded").inc()
+    metrics.record_tokens(20)
+    metrics.ttft.observe(0.2)
+    metrics.itl.observe(0.01)
+    text = metrics.render([{"gpu_bytes_in_use": 10, "host_bytes_in_use": 3, "hit_rate": 0.5}], 2, 1).decode()
+    for name in ("shadowkv_admission_queue_depth 2.0", "shadowkv_requests_admitted_total 1.0",
+                 'shadowkv_requests_rejected_total{reason="rate_limit_exceeded"} 1.0', "shadowkv_tokens_per_second 2.0",
+                 "shadowkv_time_to_first_token_seconds_bucket", "shadowkv_inter_token_latency_seconds_count 1.0",
+                 "shadowkv_hit_rate 0.5", "shadowkv_gpu_bytes_in_use 10.0", "shadowkv_host_bytes_in_use 3.0"):
+        assert name in text, name
+
+
+def test_autoscaling_asks_for_replicas_by_memory_demand():
+    assert desired_replicas([0.9, 0.9], current=2, lowest=1, highest=8) == 3
+    assert desired_replicas([0.1, 0.0], current=2, lowest=1, highest=8) == 1
+    assert desired_replicas([1.0] * 8, current=8, lowest=1, highest=8) == 8
+    assert desired_replicas([], current=3, lowest=1, highest=8) == 3
