@@ -6,6 +6,8 @@ import torch
 from shadowkv_core.attention import AttentionMetadata, attention_ref, prefill_attention_ref
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.models.rotary import RotaryEmbedding
+from shadowkv_core.models.spec import ModelSpec
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 from test_shadowkv_reference import RopeForTests
 
@@ -13,10 +15,11 @@ L, HQ, HKV, D = 2, 4, 2, 8
 SCALE = D ** -0.5
 
 
-def make_cache(config: ShadowKVConfig, max_num_seqs=4, gpu_pages=64, host_pages=64, dense_blocks=64):
-    dense = DenseKVCache(L, HKV, D, num_blocks=dense_blocks, block_size=4, dtype=torch.float32, device="cpu",
+def make_cache(config: ShadowKVConfig, max_num_seqs=4, gpu_pages=64, host_pages=64, dense_blocks=64, rope=None,
+               device="cpu"):
+    dense = DenseKVCache(L, HKV, D, num_blocks=dense_blocks, block_size=4, dtype=torch.float32, device=device,
                          scale=SCALE)
-    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, RopeForTests(D), torch.float32, "cpu", max_num_seqs,
+    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rope or RopeForTests(D), torch.float32, device, max_num_seqs,
                          gpu_pages, host_pages, dense, page_chunks=4)
 
 
@@ -45,13 +48,15 @@ class DenseOracle:
 
 def run_forward(cache, oracle, rope, seq_ids, lens, ctx, is_prefill):
     """One forward of random tokens through every layer; returns the largest |ShadowKV - dense| seen."""
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)])
+    device = cache.device
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)]).to(device)
+    seq_lens = torch.tensor([c + n for c, n in zip(ctx, lens)]).repeat_interleave(torch.tensor(lens)).to(device)
     meta = AttentionMetadata(is_prefill, seq_ids, lens, ctx, positions)
     T = positions.shape[0]
     worst = 0.0
     for layer in range(L):
-        q, k_pre, v = torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
-        q, k_rot = rope.apply(q, positions), rope.apply(k_pre, positions)
+        q, k_pre, v = (torch.randn(T, h, D, device=device) for h in (HQ, HKV, HKV))
+        q, k_rot = rope.apply(q, positions, seq_lens), rope.apply(k_pre, positions, seq_lens)  # as the decoder does
         out = cache.attend(layer, q, k_pre, k_rot, v, meta)
         for seq_id, start, n in zip(seq_ids, meta.query_starts, lens):
             i = slice(start, start + n)
@@ -64,7 +69,7 @@ def run_forward(cache, oracle, rope, seq_ids, lens, ctx, is_prefill):
 
 def generate(cache, prompt_lens, steps, seed=0):
     torch.manual_seed(seed)
-    rope, oracle = RopeForTests(D), DenseOracle()
+    rope, oracle = cache.rotary, DenseOracle()
     seq_ids = list(range(len(prompt_lens)))
     for seq_id, n in zip(seq_ids, prompt_lens):
         cache.allocate(seq_id, n, steps + 1)
@@ -84,6 +89,27 @@ def test_full_budget_full_rank_equals_dense_ragged_with_folding():
     assert st.num_shadow > 50 // 4 - 2 + 4  # folded several times (window of 8: every 4 steps)
     stats = cache.stats()
     assert stats["num_seqs"] == 3 and stats["hit_rate"] > 0.8 and stats["gpu_bytes_in_use"] > 0
+
+
+@pytest.mark.parametrize("rope_scaling,partial", [({"rope_type": "dynamic", "factor": 2.0}, 1.0), (None, 0.5)])
+def test_model_rotary_including_length_dependent_rope(rope_scaling, partial):
+    """The model's RotaryEmbedding: dynamic NTK (frequencies depend on the sequence length, which passes 32 mid-run)
+    and GLM's partial interleaved rotary."""
+    config = {"architectures": ["GlmForCausalLM" if rope_scaling is None else "LlamaForCausalLM"],
+              "vocab_size": 16, "hidden_size": HQ * D, "num_hidden_layers": L, "num_attention_heads": HQ,
+              "num_key_value_heads": HKV, "intermediate_size": 16, "max_position_embeddings": 32,
+              "rope_scaling": rope_scaling, "partial_rotary_factor": partial}
+    rope = RotaryEmbedding(ModelSpec.from_hf_config(config))
+    cache = make_cache(full_config(), rope=rope)
+    assert generate(cache, prompt_lens=[37, 50, 23], steps=16) < 1e-5
+
+
+@pytest.mark.gpu
+def test_full_budget_full_rank_equals_dense_on_cuda():
+    cache = make_cache(full_config(min_context=30), device="cuda")
+    assert cache.host.pinned
+    assert generate(cache, prompt_lens=[37, 50, 23, 12], steps=24) < 1e-5
+    cache.close()
 
 
 def test_ragged_batch_mixing_dense_and_shadow_sequences():

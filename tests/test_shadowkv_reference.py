@@ -9,12 +9,15 @@ from shadowkv_core.shadowkv.reference import (assign_slots, chunk_landmarks, fac
 
 
 class RopeForTests:
-    """Rotate-half RoPE with the `apply(x (n, h, d), positions (n,))` interface of the model's rotary (fp32 math)."""
+    """Rotate-half RoPE with the `apply(x (n, h, d), positions (n,))` interface of the model's rotary (fp32 math);
+    its frequencies do not depend on the sequence length."""
+
+    uses_seq_lens = False
 
     def __init__(self, head_dim: int, base: float = 10000.0):
         self.inv_freq = base ** (-torch.arange(0, head_dim, 2).float() / head_dim)  # (d/2,)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, seq_lens=None) -> torch.Tensor:
         angles = positions.float()[:, None] * self.inv_freq  # (n, d/2)
         cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]  # (n, 1, d)
         sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]

@@ -101,7 +101,7 @@ class ShadowKVCache(KVCache):
         num_shadow = max(prompt_len // C - self.config.local_chunks, 0)  # the middle chunks
         gpu_pages, host_pages = self.gpu.alloc(n), self.host.alloc(n)
         self.seqs[seq_id] = SequenceState(
-            slot=self.slots.alloc(), gpu_pages=gpu_pages, host_pages=host_pages,
+            slot=self.slots.alloc(), prompt_len=prompt_len, gpu_pages=gpu_pages, host_pages=host_pages,
             gpu_table=torch.tensor(gpu_pages, dtype=torch.int64, device=self.device),
             host_table=torch.tensor(host_pages, dtype=torch.int64),
             num_shadow=num_shadow, window_len=prompt_len - num_shadow * C,

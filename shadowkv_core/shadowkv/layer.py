@@ -84,15 +84,26 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     return slots.sparse_k[s, layer][used].view(Hkv, k * C, d), slots.sparse_v[s, layer][used].view(Hkv, k * C, d)
 
 
+def rope_lens(cache, st: SequenceState, positions: torch.Tensor) -> torch.Tensor | None:
+    """The sequence length each key was first rotated with, for RoPE that depends on it (the decoder passes the
+    length after the forward: the prompt's for prompt tokens, position + 1 for generated ones); else None."""
+    if not getattr(cache.rotary, "uses_seq_lens", False):
+        return None
+    return torch.where(positions < st.prompt_len, st.prompt_len, positions + 1)  # (M, C)
+
+
 def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, miss: torch.Tensor) -> None:
     """Rebuild the missed chunks' keys (U rows · SV, RoPE at true positions) and fetch their values from the host,
     into the slots `miss` marks. resident, miss (Hkv, K)."""
     slots, s, C = cache.slots, st.slot, cache.config.chunk_size
     heads, slot_ids = miss.nonzero(as_tuple=True)  # (M,) each
+    if heads.numel() == 0:
+        return
     chunks = resident[heads, slot_ids]  # (M,)
     positions = chunks[:, None] * C + torch.arange(C, device=chunks.device)  # (M, C)
     u_rows = cache.gpu.read_u(layer, st.gpu_table, positions)  # (M, C, r)
-    keys = rebuild_keys(u_rows, slots.sv[s, layer][heads], positions, cache.rotary)  # (M, C, d)
+    sv = slots.sv[s, layer][heads]  # (M, r, d)
+    keys = rebuild_keys(u_rows, sv, positions, cache.rotary, rope_lens(cache, st, positions))  # (M, C, d)
     values = cache.host.gather(layer, st.host_table, chunks, heads, C)  # (M, C, d) on the host
     Hkv, K = miss.shape
     d = keys.shape[-1]

@@ -95,16 +95,22 @@ def assign_slots(resident: torch.Tensor, selected: torch.Tensor) -> tuple[torch.
     return new_resident, miss_mask
 
 
-def rebuild_keys(u_rows: torch.Tensor, sv: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+def rebuild_keys(u_rows: torch.Tensor, sv: torch.Tensor, positions: torch.Tensor, rotary,
+                 rope_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Post-RoPE keys of M missed chunks from their U rows (fp32 math).
 
     u_rows (M, C, r), sv (M, r, d) the SV of the KV head each chunk is rebuilt for, positions (M, C) int64 true
     token positions -> keys (M, C, d) fp32 = RoPE(U[rows] · SV[h]). `rotary.apply(x (n, h, d), positions (n,))`
-    rotates each token at its position; every (chunk, token) is passed as one token of one head."""
+    rotates each token at its position; every (chunk, token) is passed as one token of one head. rope_lens (M, C):
+    for RoPE whose frequencies depend on the sequence length (longrope, dynamic), the length each key was first
+    rotated with, passed on as `apply`'s third argument."""
     M, C, _ = u_rows.shape
     d = sv.shape[-1]
-    k_pre = torch.bmm(u_rows.float(), sv.float())  # (M, C, d)
-    k_rot = rotary.apply(k_pre.reshape(M * C, 1, d), positions.reshape(M * C))  # (M*C, 1, d)
+    k_pre = torch.bmm(u_rows.float(), sv.float()).view(M * C, 1, d)  # (M*C, 1, d)
+    if rope_lens is None:
+        k_rot = rotary.apply(k_pre, positions.reshape(M * C))
+    else:
+        k_rot = rotary.apply(k_pre, positions.reshape(M * C), rope_lens.reshape(M * C))
     return k_rot.float().view(M, C, d)
 
 

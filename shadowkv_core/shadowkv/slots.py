@@ -17,6 +17,7 @@ from shadowkv_core.dense_cache import BlockAllocator
 @dataclass
 class SequenceState:
     slot: int
+    prompt_len: int
     gpu_pages: list[int]
     host_pages: list[int]
     gpu_table: torch.Tensor  # (num_pages,) int64 on the device
