@@ -21,6 +21,7 @@ class ShadowKVConfig:
     chunk_size: tokens per chunk. sparse_budget: tokens selected per KV head per decode step.
     outlier_chunks / local_chunks: chunks kept exact on the GPU. min_context: prompts shorter than this stay dense.
     decode_window: generated tokens kept exact; when full, its older half is folded into the shadow.
+    page_chunks: chunks per page of U rows, landmarks and host values (the unit of allocation).
     """
 
     rank: int = 160
@@ -30,6 +31,7 @@ class ShadowKVConfig:
     local_chunks: int = 4
     min_context: int = 4096
     decode_window: int = 512
+    page_chunks: int = 16
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
@@ -40,6 +42,7 @@ class ShadowKVConfig:
                  f"sparse_budget ({self.sparse_budget}) must be a multiple of chunk_size ({self.chunk_size})")
         _require(self.outlier_chunks >= 0, f"outlier_chunks must be >= 0, got {self.outlier_chunks}")
         _require(self.local_chunks >= 1, f"local_chunks must be >= 1, got {self.local_chunks}")
+        _require(self.page_chunks >= 1, f"page_chunks must be >= 1, got {self.page_chunks}")
         _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,
                  f"decode_window ({self.decode_window}) must be a positive multiple of 2*chunk_size "

@@ -1,10 +1,14 @@
 import pytest
 import torch
 
-from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# The tiny model has 2 KV heads of 16 dims: rank 32 is full rank; a 4096-token budget covers every context here,
+# so ShadowKV must reproduce the dense path exactly. Prompts under 16 tokens stay dense; the window folds often.
+FULL_SHADOW = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
+                             min_context=16, decode_window=16)
 
 
 @pytest.fixture(scope="module")
@@ -12,8 +16,14 @@ def tiny_path(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1))
 
 
+@pytest.fixture(scope="module", params=["dense", "shadowkv"])
+def llm(request, tiny_path):
+    shadowkv = FULL_SHADOW if request.param == "shadowkv" else None
+    return LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, shadowkv=shadowkv)
+
+
 @pytest.fixture(scope="module")
-def llm(tiny_path):
+def dense_llm(tiny_path):
     return LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01)
 
 
@@ -119,3 +129,14 @@ def test_engine_config_errors_are_clear(tiny_path):
         EngineConfig(model=tiny_path, dtype="float8")
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLMEngine(EngineConfig(model=tiny_path, max_num_seqs=0))
+
+
+def test_full_budget_full_rank_shadowkv_equals_dense_over_long_generation(tiny_path, dense_llm):
+    shadow = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, shadowkv=FULL_SHADOW)
+    prompts = prompts_of_lengths([40, 100, 23], seed=11)
+    long = SamplingParams(max_tokens=4 * FULL_SHADOW.decode_window, temperature=0, ignore_eos=True)
+    want = dense_llm.generate(prompts, long)
+    got = shadow.generate(prompts, long)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.token_ids) == 64 for o in got)
+    assert cache_is_empty(shadow.engine) and shadow.engine.stats()["host_bytes_in_use"] == 0

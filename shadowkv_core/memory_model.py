@@ -1,0 +1,200 @@
+"""Memory model: the bytes a sequence holds on the GPU and on the host, the fixed cost of a replica, and from them
+the batch a replica can hold. Pure functions of the model geometry and the configs: no GPU needed.
+
+The same formulas size the engine's pools (engine/cache_factory.py), so what the router admits is what the engine
+allocates. Per sequence, ShadowKV holds a slot (sparse buffer, outliers, local + generated window, its key basis)
+and pages of U rows + landmarks on the GPU, and pages of values on the host; a dense sequence holds K/V blocks.
+
+CLI: python -m shadowkv_core.memory_model --model <config.json or preset> --context 122880 --gpu-gib 80 --host-gib 512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ShadowKVConfig
+
+INDEX_BYTES = 8  # int64 chunk ids in a slot
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_spec(cls, spec, dtype: torch.dtype) -> Geometry:
+        return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size,
+                   spec.intermediate_size, spec.vocab_size, dtype.itemsize, spec.tie_word_embeddings)
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameters of a Llama-style decoder (fused qkv and gate/up; biases and norms are negligible but counted)."""
+        h, q, kv, inter = self.hidden_size, self.num_q_heads * self.head_dim, self.kv_width, self.intermediate_size
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + (q + 2 * kv)
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (self.num_layers * per_layer + embeddings + h) * self.dtype_bytes
+
+
+PRESETS = {
+    "llama-3.1-8b": Geometry(32, 32, 8, 128, 4096, 14336, 128256),
+    "llama-3-8b-1m": Geometry(32, 32, 8, 128, 4096, 14336, 128256),
+    "yi-9b-200k": Geometry(48, 32, 4, 128, 4096, 11008, 64000),
+    "glm-4-9b-1m": Geometry(40, 32, 4, 128, 4096, 13696, 151552),
+    "llama-3.1-70b": Geometry(80, 64, 8, 128, 8192, 28672, 128256),
+}
+
+
+def load_geometry(model: str, dtype_bytes: int = 2) -> Geometry:
+    """A preset name, or a Hugging Face config.json (or the directory holding it)."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
+    cfg = json.loads(path.read_text())
+    heads = cfg["num_attention_heads"]
+    return Geometry(cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads", heads),
+                    cfg.get("head_dim") or cfg["hidden_size"] // heads, cfg["hidden_size"],
+                    cfg["intermediate_size"], cfg["vocab_size"], dtype_bytes,
+                    cfg.get("tie_word_embeddings", False))
+
+
+# ---- dense ---------------------------------------------------------------------------------------------------
+def dense_block_bytes(g: Geometry, block_size: int) -> int:
+    return 2 * g.num_layers * block_size * g.kv_width * g.dtype_bytes
+
+
+def dense_seq_bytes(g: Geometry, tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size) * dense_block_bytes(g, block_size)
+
+
+# ---- ShadowKV ------------------------------------------------------------------------------------------------
+def page_tokens(cfg: ShadowKVConfig) -> int:
+    return cfg.page_chunks * cfg.chunk_size
+
+
+def gpu_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
+    """U rows (page_tokens, rank) and landmarks (page_chunks, Hkv, d) of every layer."""
+    return g.num_layers * (page_tokens(cfg) * cfg.rank + cfg.page_chunks * g.kv_width) * g.dtype_bytes
+
+
+def host_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
+    """Values (page_tokens, Hkv, d) of every layer."""
+    return g.num_layers * page_tokens(cfg) * g.kv_width * g.dtype_bytes
+
+
+def window_tokens(cfg: ShadowKVConfig) -> int:
+    return cfg.local_chunks * cfg.chunk_size + cfg.decode_window
+
+
+def slot_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
+    """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident and outlier chunk ids;
+    sparse, outlier and window keys and values."""
+    C, K, O = cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
+    exact_tokens = K * C + O * C + window_tokens(cfg)
+    per_layer = (cfg.rank * g.kv_width + 2 * exact_tokens * g.kv_width) * g.dtype_bytes
+    per_layer += (K + O) * g.num_kv_heads * INDEX_BYTES
+    return g.num_layers * per_layer
+
+
+def shadow_pages(cfg: ShadowKVConfig, tokens: int) -> int:
+    return math.ceil(tokens / page_tokens(cfg))
+
+
+@dataclass(frozen=True)
+class SeqBytes:
+    gpu: int
+    host: int
+
+
+def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
+              block_size: int = 16) -> SeqBytes:
+    """What one sequence of `context` prompt tokens and up to `max_new_tokens` generated ones holds."""
+    tokens = context + max_new_tokens
+    if cfg is None or context < cfg.min_context:
+        return SeqBytes(dense_seq_bytes(g, tokens, block_size), 0)
+    pages = shadow_pages(cfg, tokens)
+    return SeqBytes(slot_bytes(g, cfg) + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
+
+
+# ---- fixed cost and capacity ----------------------------------------------------------------------------------
+def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int) -> int:
+    """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer: the hidden states and q/k/v of the
+    whole prompt, one token chunk's MLP and attention scores, and for ShadowKV the fp32 keys being factorised."""
+    d = g.dtype_bytes
+    q_width = g.num_q_heads * g.head_dim
+    whole = prompt_tokens * (3 * g.hidden_size + 2 * q_width + 4 * g.kv_width) * d
+    chunk = min(chunk_tokens, prompt_tokens)
+    per_chunk = chunk * 3 * g.intermediate_size * d + chunk * g.vocab_size * 4
+    shadow = 2 * prompt_tokens * g.kv_width * 4 if cfg is not None else 0
+    return whole + per_chunk + shadow
+
+
+def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: int, chunk_tokens: int,
+                    overhead_bytes: int = GIB) -> int:
+    """Weights, the largest prefill's workspace, and a flat allowance for the CUDA context's allocator slack."""
+    return g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens) + overhead_bytes
+
+
+def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, contexts: list[int],
+             max_new_tokens: int, chunk_tokens: int = 8192, block_size: int = 16) -> int:
+    """How many sequences of the given context mix (repeated in turn) fit in a replica's free GPU and host bytes,
+    after the fixed cost of weights and the largest prefill."""
+    free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens)
+    free_host = host_bytes
+    batch = 0
+    while True:
+        need = seq_bytes(g, cfg, contexts[batch % len(contexts)], max_new_tokens, block_size)
+        if need.gpu > free_gpu or need.host > free_host:
+            return batch
+        free_gpu, free_host, batch = free_gpu - need.gpu, free_host - need.host, batch + 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Dense vs ShadowKV batch capacity of one replica")
+    parser.add_argument("--model", default="llama-3.1-8b", help=f"config.json, its folder, or {list(PRESETS)}")
+    parser.add_argument("--context", type=int, nargs="+", default=[122880])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--host-gib", type=float, default=512.0)
+    parser.add_argument("--rank", type=int, default=160)
+    parser.add_argument("--sparse-budget", type=int, default=2048)
+    parser.add_argument("--chunk-size", type=int, default=8)
+    parser.add_argument("--outlier-chunks", type=int, default=48)
+    args = parser.parse_args(argv)
+    g = load_geometry(args.model)
+    cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
+                         outlier_chunks=args.outlier_chunks)
+    cfg.check_model(g.num_kv_heads, g.head_dim)
+    gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
+    print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, host {args.host_gib} GiB")
+    print(f"{'context':>9} {'dense':>6} {'shadowkv':>9} {'ratio':>6} {'GPU/seq GiB':>12} {'host/seq GiB':>13}")
+    for context in args.context:
+        dense = capacity(g, None, gpu, host, [context], args.max_new_tokens)
+        shadow = capacity(g, cfg, gpu, host, [context], args.max_new_tokens)
+        per = seq_bytes(g, cfg, context, args.max_new_tokens)
+        ratio = f"{shadow / dense:.1f}x" if dense else "inf"
+        print(f"{context:>9} {dense:>6} {shadow:>9} {ratio:>6} {per.gpu / GIB:>12.2f} {per.host / GIB:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
