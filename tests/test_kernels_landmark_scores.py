@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, slot_ids_for
+from kernels.landmark_scores import landmark_scores
+from shadowkv_core.shadowkv.batched_reference import landmark_scores_batched
+
+
+def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = len(num_chunks)
+    table, num_pages = page_tables(num_chunks, page_chunks, g)
+    landmarks = torch.randn(num_pages, page_chunks, Hkv, d, generator=g).to(device, dtype)
+    q = torch.randn(B, Hq, d, generator=g).to(device, dtype)
+    num_slots = B + 2
+    outlier_ids = torch.full((num_slots, Hkv, max_outliers), -5, dtype=torch.int64)
+    num_outliers = torch.zeros(B, dtype=torch.int32)
+    slot_ids = slot_ids_for(B, num_slots, g)
+    for b, n in enumerate(num_chunks):
+        o = min(max_outliers, n // 2)
+        num_outliers[b] = o
+        for h in range(Hkv):
+            outlier_ids[int(slot_ids[b]), h, :o] = torch.randperm(n, generator=g)[:o].sort().values
+    return (q, landmarks.to(device), table.to(device), torch.tensor(num_chunks, dtype=torch.int32, device=device),
+            outlier_ids.to(device), slot_ids.to(device), num_outliers.to(device))
+
+
+def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0):
+    args = _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed)
+    n_max = max(num_chunks) + 3  # a bucket larger than the longest sequence
+    scale = d ** -0.5
+    expected = landmark_scores_batched(*args, n_max, scale)
+    got = landmark_scores(*args, n_max, scale)
+    # fp32 softmax either way: only the order of the fp32 sums differs.
+    assert_close(got, expected, dtype, "landmark scores", tol=(1e-6, 1e-4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_chunks,Hq,Hkv", [([37, 5, 70], 8, 2), ([1, 19], 6, 3), ([64], 4, 4)])
+def test_landmark_scores_small(num_chunks, Hq, Hkv, dtype):
+    _check(num_chunks, Hq, Hkv, 32, 6, 4, dtype, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context,batch", [(32 * 1024, 16), (128 * 1024, 4)])
+def test_landmark_scores_llama(context, batch):
+    C = LLAMA["chunk_size"]
+    g = torch.Generator().manual_seed(batch)
+    num_chunks = [int(context // C * f) for f in torch.empty(batch).uniform_(0.5, 1.0, generator=g)]
+    _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
+           torch.bfloat16, "cuda")
