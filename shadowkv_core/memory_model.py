@@ -34,11 +34,17 @@ class Geometry:
     vocab_size: int
     dtype_bytes: int = 2
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
 
     @classmethod
     def from_spec(cls, spec, dtype: torch.dtype) -> Geometry:
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size,
-                   spec.intermediate_size, spec.vocab_size, dtype.itemsize, spec.tie_word_embeddings)
+                   spec.intermediate_size, spec.vocab_size, dtype.itemsize, spec.tie_word_embeddings,
+                   spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.qk_norm, spec.post_norms)
 
     @property
     def kv_width(self) -> int:
@@ -46,9 +52,11 @@ class Geometry:
 
     @property
     def weight_bytes(self) -> int:
-        """Parameters of a Llama-style decoder (fused qkv and gate/up; biases and norms are negligible but counted)."""
+        """Every parameter of the decoder: projections, the biases and norms its family has, embeddings."""
         h, q, kv, inter = self.hidden_size, self.num_q_heads * self.head_dim, self.kv_width, self.intermediate_size
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + (q + 2 * kv)
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+        per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * inter + h) * self.mlp_bias
+        per_layer += 2 * self.head_dim * self.qk_norm + 2 * h * self.post_norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (self.num_layers * per_layer + embeddings + h) * self.dtype_bytes
 

@@ -1,0 +1,93 @@
+import dataclasses
+
+import pytest
+import torch
+
+from model_factory import FAMILIES, build_tiny_hf_model
+from shadowkv_core import LLMEngine, EngineConfig, ShadowKVConfig
+from shadowkv_core import memory_model as mm
+from shadowkv_core.models import load_model
+from shadowkv_core.tiny_model import build_tiny_model
+
+G8B = mm.PRESETS["llama-3.1-8b"]
+GPU, HOST = 80 * mm.GIB, 512 * mm.GIB
+PAPER = ShadowKVConfig()
+
+
+def cap(cfg, context=122880, g=G8B):
+    return mm.capacity(g, cfg, GPU, HOST, [context], 128)
+
+
+def test_capacity_falls_with_rank_context_and_outliers_and_rises_with_chunk_size():
+    ranks = [cap(dataclasses.replace(PAPER, rank=r)) for r in (64, 160, 512, 1024)]
+    contexts = [cap(PAPER, c) for c in (32768, 61440, 122880, 245760)]
+    outliers = [cap(dataclasses.replace(PAPER, outlier_chunks=o), 245760) for o in (0, 256, 2048, 8192)]
+    chunks = [cap(dataclasses.replace(PAPER, chunk_size=c)) for c in (4, 8, 16, 32)]
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1]
+    assert contexts == sorted(contexts, reverse=True) and contexts[0] > contexts[-1]
+    assert outliers == sorted(outliers, reverse=True) and outliers[0] > outliers[-1]
+    assert chunks == sorted(chunks) and chunks[0] < chunks[-1]
+
+
+def test_paper_headline_shadowkv_holds_about_six_times_the_dense_batch_at_122k():
+    dense, shadow = cap(None), cap(PAPER)
+    assert dense >= 1 and 5 <= shadow / dense <= 10, (dense, shadow)
+
+
+def test_host_memory_caps_the_batch():
+    small_host = mm.capacity(G8B, PAPER, GPU, 32 * mm.GIB, [122880], 128)
+    per_seq = mm.seq_bytes(G8B, PAPER, 122880, 128).host
+    assert small_host == 32 * mm.GIB // per_seq
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
+    build_tiny_hf_model(family, tmp_path)
+    model, spec = load_model(str(tmp_path), torch.float32, "cpu")
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    assert mm.Geometry.from_spec(spec, torch.float32).weight_bytes == sum(params.values())
+
+
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
+    path = build_tiny_model(tmp_path)
+    cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
+                         min_context=32, decode_window=16, page_chunks=4)
+    engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
+                                    host_cache_gib=0.002, max_model_len=1024))
+    cache = engine.cache
+    g = mm.Geometry.from_spec(engine.spec, torch.float32)
+    allocated_gpu = sum(t.numel() * t.element_size() for t in
+                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *_slot_buffers(cache)))
+    predicted_gpu = (3 * mm.slot_bytes(g, cfg) + cache.gpu.num_pages * mm.gpu_page_bytes(g, cfg)
+                     + cache.dense.blocks.num_blocks * mm.dense_block_bytes(g, 16))
+    assert allocated_gpu == predicted_gpu <= 0.005 * mm.GIB
+    assert cache.host.values.numel() * cache.host.values.element_size() == \
+        cache.host.num_pages * mm.host_page_bytes(g, cfg)
+    for prompt_len, max_new in ((300, 40), (20, 10)):  # a shadow sequence, then a dense one
+        before = cache.stats()
+        assert engine.footprint(prompt_len, max_new) == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
+        cache.allocate(prompt_len, prompt_len, max_new)
+        after = cache.stats()
+        used = (after["gpu_bytes_in_use"] - before["gpu_bytes_in_use"],
+                after["host_bytes_in_use"] - before["host_bytes_in_use"])
+        assert used == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
+        cache.free(prompt_len)
+    assert cache.stats()["gpu_bytes_in_use"] == 0
+
+
+def _slot_buffers(cache):
+    s = cache.slots
+    return (s.sv, s.resident, s.sparse_k, s.sparse_v, s.outlier_ids, s.outlier_k, s.outlier_v, s.window_k,
+            s.window_v)
+
+
+def test_cli_prints_dense_and_shadowkv_capacity(capsys):
+    mm.main(["--model", "llama-3.1-8b", "--context", "122880", "--gpu-gib", "80", "--host-gib", "512"])
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.strip().startswith("122880")][0].split()
+    assert int(row[1]) == cap(None) and int(row[2]) == cap(PAPER)
+
+
+def test_cli_rejects_an_unknown_model():
+    with pytest.raises(ValueError, match="--model"):
+        mm.main(["--model", "no-such-model"])
