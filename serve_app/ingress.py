@@ -3,7 +3,6 @@
 Per request: validate (pydantic), tokenize and check the context length (worker thread), predict its bytes, admit
 it onto a replica with room (or refuse at once), stream the engine replica's events back as SSE or one body.
 """
-from __future__ import annotations
 
 import asyncio
 import logging
@@ -21,7 +20,7 @@ from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
-from serve_app.streaming import ChunkFormatter, collect, raise_if_error, sse_stream
+from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
 
 logger = logging.getLogger("ray.serve")
 MODEL_INFO_TIMEOUT_S = 2.0
@@ -30,7 +29,7 @@ api = FastAPI(title="ShadowKV Serve", description="OpenAI-compatible long-contex
 install_error_handlers(api)
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
@@ -83,9 +82,9 @@ class Ingress:
         model = self.info["model"]
         if request.stream:
             fmt = ChunkFormatter(kind, request_id, model)
-            return StreamingResponse(sse_stream(_prepend(first, events), fmt, request.include_usage),
+            return StreamingResponse(sse_stream(prepend(first, events), fmt, request.include_usage),
                                      media_type="text/event-stream")
-        return await collect(_prepend(first, events), kind, request_id, model)
+        return await collect(prepend(first, events), kind, request_id, model)
 
     async def _admit(self, request_id: str, gpu: int, host: int) -> None:
         try:
@@ -156,9 +155,3 @@ class Ingress:
         if model != self.info["model"]:
             raise OpenAIError(404, f"The model {model!r} does not exist; this service serves "
                                    f"{self.info['model']!r}.", param="model", code="model_not_found")
-
-
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    yield first
-    async for event in rest:
-        yield event

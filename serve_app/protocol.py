@@ -30,7 +30,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -30,6 +30,12 @@ def raise_if_error(event: dict) -> None:
                           param=err.get("param"), code=err.get("code"))
 
 
+async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for event in rest:
+        yield event
+
+
 class ChunkFormatter:
     """Builds one stream's chunks, in the shape of `kind`'s OpenAI streaming response."""
 
