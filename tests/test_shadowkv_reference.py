@@ -18,7 +18,7 @@ class RopeForTests:
         self.inv_freq = base ** (-torch.arange(0, head_dim, 2).float() / head_dim)  # (d/2,)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, seq_lens=None) -> torch.Tensor:
-        angles = positions.float()[:, None] * self.inv_freq  # (n, d/2)
+        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)  # (n, d/2)
         cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]  # (n, 1, d)
         sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
         x1, x2 = x.float().chunk(2, -1)

@@ -51,7 +51,8 @@ class ShadowKVCache(KVCache):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.gpu = GpuPages(num_layers, num_gpu_pages, page_chunks, config.chunk_size, config.rank, num_kv_heads,
                             head_dim, dtype, device)
-        self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype)
+        self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
+                                   pin=self.device.type == "cuda")
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()

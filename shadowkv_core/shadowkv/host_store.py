@@ -6,11 +6,16 @@ caching host allocator is not used because it rounds every allocation up to a po
 """
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 
 from shadowkv_core.dense_cache import BlockAllocator
 from shadowkv_core.shadowkv.pages import locate
 from shadowkv_core.shadowkv.reference import gather_values
+
+OS_PAGE = 4096
 
 
 class HostValueStore:
@@ -24,14 +29,20 @@ class HostValueStore:
         self.pages = BlockAllocator(num_pages)
 
     def _allocate_region(self) -> torch.Tensor:
-        """The one host allocation of the store (NUMA binding goes here)."""
-        region = torch.empty(self.shape, dtype=self.dtype)
-        if self.pinned:
-            nbytes = region.numel() * region.element_size()
-            err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host values failed: {err}")
-        return region
+        """The one host allocation of the store (NUMA binding goes here). Pinned regions start and end on OS page
+        boundaries: cudaHostRegister refuses a range that shares a page with one registered before."""
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        if not self.pinned:
+            return torch.empty(self.shape, dtype=self.dtype)
+        span = -(-nbytes // OS_PAGE) * OS_PAGE
+        raw = torch.empty(span + OS_PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % OS_PAGE
+        region = raw[start:start + span]
+        err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
+        self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
+        return region[:nbytes].view(self.dtype).view(self.shape)
 
     @property
     def num_pages(self) -> int:
@@ -72,6 +83,10 @@ class HostValueStore:
         return gather_values(self.values[layer], table, chunk_ids.cpu(), heads.cpu(), chunk_size)
 
     def close(self) -> None:
-        if self.pinned and self.values is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.values.data_ptr())
+        if self.pinned:
+            self._unregister()
         self.values = None
+
+
+def _unregister(region: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
