@@ -1,0 +1,67 @@
+"""Value fetch: the missed chunks' values, read straight from the pinned host pages inside the kernel (zero-copy over
+unified virtual addressing: Triton's launcher maps a pinned or cudaHostRegister-ed host pointer to its device
+address), written into their GPU slots. No staging copy, no CPU gather. Reference:
+shadowkv_core.shadowkv.batched_reference.gather_values_batched.
+
+Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d head_dim, P host pages):
+  host_values  (P, PAGE_TOKENS, Hkv, d)     one layer of the host store, pinned host memory (CPU tensor; on the
+                                            interpreter any CPU tensor), token rows contiguous
+  host_table   (B, max_pages) int32         host page of each logical page of each sequence (on the GPU)
+  miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
+  slot_ids     (B,) int32
+  value_slots  (N, Hkv, K*C, d) out         one layer of the slots' sparse values (stride over N free, inner dims
+                                            contiguous); only the missed slots are written
+One program per (sequence, KV head, MISSES_PER_PROGRAM misses); programs past num_miss return at once.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fetch_values_kernel(host_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr,
+                         stride_hp, stride_ht, stride_tb, stride_mb, stride_mh, stride_nb, stride_on, stride_oh,
+                         CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         MISSES_PER_PROGRAM: tl.constexpr):
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
+    if pid * MISSES_PER_PROGRAM >= num_miss:
+        return
+    ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    miss = pid * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
+    r_mask = miss < num_miss
+    chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+    slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+    token = chunk * CHUNK + offs_r % CHUNK
+    page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
+    src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
+    vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=r_mask[:, None])
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
+    tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals, mask=r_mask[:, None])
+
+
+def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
+                 miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor, value_slots: torch.Tensor,
+                 chunk_size: int, misses_per_program: int = 2) -> None:
+    P, page_tokens, Hkv, d = host_values.shape
+    N, Hkv_o, KC, d_o = value_slots.shape
+    B, _, K = miss_chunks.shape
+    assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == miss_slots.shape == (B, Hkv, K)
+    assert host_values.device.type == "cpu" and (value_slots.device.type == "cpu" or host_values.is_pinned()), \
+        "host values must be a pinned host tensor (zero-copy read)"
+    assert host_values.dtype == value_slots.dtype and d == triton.next_power_of_2(d)
+    assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
+    assert value_slots.stride(3) == 1 and value_slots.stride(2) == d
+    assert miss_chunks.is_contiguous() and miss_slots.is_contiguous() and num_miss.shape == (B, Hkv)
+    assert host_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
+    assert host_table.stride(1) == 1 and host_table.shape[0] == B and slot_ids.shape == (B,)
+    grid = (triton.cdiv(K, misses_per_program), Hkv, B)
+    _fetch_values_kernel[grid](
+        host_values, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots,
+        host_values.stride(0), host_values.stride(1), host_table.stride(0), miss_chunks.stride(0),
+        miss_chunks.stride(1), num_miss.stride(0), value_slots.stride(0), value_slots.stride(1),
+        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d, MISSES_PER_PROGRAM=misses_per_program,
+        num_warps=4)

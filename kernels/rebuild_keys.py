@@ -1,0 +1,112 @@
+"""Key rebuild, fused: the missed chunks' U rows (paged), times SV of their KV head, RoPE at their true positions
+(fp32 math, the model's rope scaling through its inv_freq and attention factor), written into the key slots.
+Misses only. Reference: shadowkv_core.shadowkv.batched_reference.rebuild_keys_batched.
+
+Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d head_dim, r rank, P GPU pages):
+  u_pages      (P, PAGE_TOKENS, r)          one layer of the GPU pages' U rows, contiguous
+  page_table   (B, max_pages) int32         GPU page of each logical page of each sequence
+  sv           (N, Hkv, r, d)               one layer of the slots' key bases (stride over N free, rest contiguous)
+  inv_freq     (B, ROTARY_DIM/2) fp32       each sequence's RoPE frequencies (stride over B may be 0: shared)
+  miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
+  slot_ids     (B,) int32
+  key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (stride over N free, rest contiguous)
+RoPE rotates channel pairs (i, i + ROTARY_DIM/2), or (2i, 2i+1) when INTERLEAVED, of the first ROTARY_DIM channels;
+the others pass. The product is split into the pairs' two halves (two dots) so the rotation needs no shuffle.
+One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reduce_angle(x):
+    """x - 2πk in [-π, π] (Cody-Waite, 2π split in two so k * hi is exact): tl.cos/tl.sin may lower to the
+    hardware's approximations, accurate only there; positions reach 1e5+ radians."""
+    k = tl.floor(x * 0.15915494309189535 + 0.5)
+    return (x - k * 6.28125) - k * 0.0019353071795864769
+
+
+@triton.jit
+def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr,
+                         slot_ptr, out_ptr, attention_factor,
+                         stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
+                         stride_nb, stride_on, stride_oh,
+                         CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
+    if pid * MISS_BLOCK >= num_miss:
+        return
+    ROWS: tl.constexpr = MISS_BLOCK * CHUNK
+    HALF: tl.constexpr = HEAD_DIM // 2
+    ROT_HALF: tl.constexpr = ROTARY_DIM // 2
+    offs_m = tl.arange(0, ROWS)
+    miss = pid * MISS_BLOCK + offs_m // CHUNK
+    m_mask = miss < num_miss
+    chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
+    slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
+    token = chunk * CHUNK + offs_m % CHUNK  # (ROWS,) true positions
+    page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=m_mask, other=0).to(tl.int64)
+    u_rows = page * stride_up + (token % PAGE_TOKENS) * stride_ut
+    # Channel pair j: (first[j], second[j]); pairs past ROT_HALF are the channels RoPE leaves alone.
+    offs_j = tl.arange(0, HALF)
+    is_rot = offs_j < ROT_HALF
+    pass_j = ROTARY_DIM + offs_j - ROT_HALF
+    if INTERLEAVED:
+        first = tl.where(is_rot, 2 * offs_j, pass_j)
+        second = tl.where(is_rot, 2 * offs_j + 1, pass_j + (HEAD_DIM - ROTARY_DIM) // 2)
+    else:
+        first = tl.where(is_rot, offs_j, pass_j)
+        second = tl.where(is_rot, offs_j + ROT_HALF, pass_j + (HEAD_DIM - ROTARY_DIM) // 2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    sv_base = sv_ptr + slot * stride_svn + h * stride_svh
+    acc1 = tl.zeros([ROWS, HALF], dtype=tl.float32)
+    acc2 = tl.zeros([ROWS, HALF], dtype=tl.float32)
+    for r0 in range(0, RANK, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < RANK
+        u = tl.load(u_ptr + u_rows[:, None] + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        sv_rows = sv_base + offs_r[:, None] * HEAD_DIM
+        sv1 = tl.load(sv_rows + first[None, :], mask=r_mask[:, None], other=0.0)
+        sv2 = tl.load(sv_rows + second[None, :], mask=r_mask[:, None], other=0.0)
+        acc1 = tl.dot(u, sv1, acc1, input_precision="ieee")
+        acc2 = tl.dot(u, sv2, acc2, input_precision="ieee")
+    # fp32 RoPE, as the reference: freqs = position * inv_freq; cos/sin scaled by the attention factor.
+    inv_freq = tl.load(inv_freq_ptr + b * stride_ib + offs_j, mask=is_rot, other=0.0)
+    freqs = token.to(tl.float32)[:, None] * inv_freq[None, :]  # (ROWS, HALF)
+    angle = _reduce_angle(freqs)
+    cos = tl.where(is_rot[None, :], tl.cos(angle) * attention_factor, 1.0)
+    sin = tl.where(is_rot[None, :], tl.sin(angle) * attention_factor, 0.0)
+    out1 = acc1 * cos - acc2 * sin
+    out2 = acc2 * cos + acc1 * sin
+    dst = out_ptr + slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_m % CHUNK)[:, None] * HEAD_DIM
+    tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor, inv_freq: torch.Tensor,
+                 attention_factor: float, interleaved: bool, miss_chunks: torch.Tensor, miss_slots: torch.Tensor,
+                 num_miss: torch.Tensor, slot_ids: torch.Tensor, key_slots: torch.Tensor, chunk_size: int,
+                 miss_block: int = 16) -> None:
+    P, page_tokens, r = u_pages.shape
+    N, Hkv, r_sv, d = sv.shape
+    B, _, K = miss_chunks.shape
+    rot_half = inv_freq.shape[1]
+    assert r_sv == r and key_slots.shape == (N, Hkv, K * chunk_size, d), (sv.shape, key_slots.shape)
+    assert miss_chunks.shape == miss_slots.shape == (B, Hkv, K) and num_miss.shape == (B, Hkv)
+    assert 2 * rot_half <= d and d == triton.next_power_of_2(d) and inv_freq.shape[0] == B
+    assert u_pages.dtype == sv.dtype == key_slots.dtype and inv_freq.dtype == torch.float32
+    assert u_pages.is_contiguous() and inv_freq.stride(1) == 1
+    assert sv.stride(3) == 1 and sv.stride(2) == d and key_slots.stride(3) == 1 and key_slots.stride(2) == d
+    assert miss_chunks.is_contiguous() and miss_slots.is_contiguous()
+    assert page_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
+    assert page_table.stride(1) == 1 and page_table.shape[0] == B and slot_ids.shape == (B,)
+    grid = (triton.cdiv(K, miss_block), Hkv, B)
+    _rebuild_keys_kernel[grid](
+        u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, attention_factor,
+        u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
+        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
+        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
+        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=32, num_warps=8)

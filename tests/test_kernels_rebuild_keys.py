@@ -1,0 +1,66 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, random_misses, slot_ids_for
+from kernels.rebuild_keys import rebuild_keys
+from shadowkv_core.shadowkv.batched_reference import rebuild_keys_batched
+
+rotary_mod = pytest.importorskip("shadowkv_core.models.rotary")
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _rotary(head_dim, rotary_dim, interleaved, scaling, device):
+    spec = SimpleNamespace(rotary_dim=rotary_dim, rope_interleaved=interleaved,
+                           rope_type=(scaling or {}).get("rope_type", "default"), rope_scaling=scaling,
+                           rope_theta=500000.0, max_position_embeddings=131072)
+    return rotary_mod.RotaryEmbedding(spec, device)
+
+
+def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_dim=None, interleaved=False,
+           scaling=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, N = len(num_chunks), len(num_chunks) + 1
+    table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
+    u_pages = torch.randn(num_pages, page_tokens, rank, generator=g).to(device, dtype)
+    sv = (torch.randn(N, Hkv, rank, d, generator=g) / rank ** 0.5).to(device, dtype)
+    key_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
+    slot_ids = slot_ids_for(B, N, g).to(device)
+    miss_chunks, miss_slots, num_miss = (t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g))
+    rotary = _rotary(d, rotary_dim or d, interleaved, scaling, device)
+    expected = rebuild_keys_batched(key_slots, u_pages, table.to(device), sv, rotary, miss_chunks, miss_slots,
+                                    num_miss, slot_ids, C)
+    got = key_slots.clone()
+    written = expected != key_slots
+    got[written] = float("nan")  # poison the outputs
+    inv_freq = rotary.inv_freq.float()[None].expand(B, -1)
+    rebuild_keys(u_pages, table.to(device), sv, inv_freq, rotary.attention_factor, interleaved, miss_chunks,
+                 miss_slots, num_miss, slot_ids, got, C)
+    assert_close(got, expected, dtype, "key slots")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rotary_dim,interleaved,scaling", [(None, False, None), (16, True, None),
+                                                            (None, False, LLAMA3_SCALING)])
+def test_rebuild_keys_small(dtype, rotary_dim, interleaved, scaling):
+    _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=dtype, device=DEVICE,
+           rotary_dim=rotary_dim, interleaved=interleaved, scaling=scaling)
+
+
+def test_rebuild_keys_far_positions():
+    """Positions past 100K: RoPE angles of 1e5 radians, in fp32 as the reference."""
+    _check([30000, 26000], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=512, dtype=torch.float32, device=DEVICE,
+           scaling=LLAMA3_SCALING)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context,batch", [(32 * 1024, 32), (128 * 1024, 4)])
+def test_rebuild_keys_llama(context, batch):
+    g = torch.Generator().manual_seed(batch)
+    C = LLAMA["chunk_size"]
+    num_chunks = [int(context // C * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["rank"], LLAMA["budget_chunks"], C, 128,
+           torch.bfloat16, "cuda", scaling=LLAMA3_SCALING)
