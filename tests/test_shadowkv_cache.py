@@ -9,6 +9,9 @@ from shadowkv_core.dense_cache import DenseKVCache
 from shadowkv_core.models.rotary import RotaryEmbedding
 from shadowkv_core.models.spec import ModelSpec
 from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.host_store import HostValueStore
+from shadowkv_core.shadowkv.pages import GpuPages
+from shadowkv_core.shadowkv.slots import Slots
 from test_shadowkv_reference import RopeForTests
 
 L, HQ, HKV, D = 2, 4, 2, 8
@@ -164,6 +167,23 @@ def test_allocate_refuses_when_slots_run_out():
     with pytest.raises(MemoryError, match="slot"):
         cache.allocate(1, 40, 8)
     assert cache.gpu.num_free == 64 - 3
+
+
+def test_footprint_is_what_the_buffers_take():
+    config = full_config(outlier_chunks=3)
+    cache = make_cache(config, max_num_seqs=2, gpu_pages=5, host_pages=7)
+    gpu_page = GpuPages.bytes_per_page(L, 4, 4, config.rank, HKV, D, torch.float32)
+    host_page = HostValueStore.bytes_per_page(L, 16, HKV, D, torch.float32)
+    slot = Slots.bytes_per_slot(L, HKV, D, config, torch.float32)
+    tensors = [cache.gpu.u, cache.gpu.landmarks] + [getattr(cache.slots, n) for n in Slots.buffer_specs(
+        L, HKV, D, config, torch.float32)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == 5 * gpu_page + 2 * slot
+    assert cache.host.values.numel() * 4 == 7 * host_page
+    assert cache.footprint(40, 8) == (3 * gpu_page + slot, 3 * host_page)
+    cache.allocate(0, 40, 8)
+    stats = cache.stats()
+    assert (stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == cache.footprint(40, 8)
+    assert stats["gpu_bytes_total"] == 5 * gpu_page + 2 * slot + cache.dense.stats()["gpu_bytes_total"]
 
 
 def test_config_checked_against_the_model():

@@ -56,7 +56,7 @@ class ShadowKVCache(KVCache):
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
-        self._split: tuple[int, BatchSplit] | None = None
+        self._split: tuple[AttentionMetadata, BatchSplit] | None = None
 
     # ---- allocation ----
 
@@ -134,8 +134,9 @@ class ShadowKVCache(KVCache):
         return out
 
     def _split_batch(self, meta: AttentionMetadata) -> BatchSplit:
-        # The same split serves every layer of a forward: build it once per metadata object.
-        if self._split is not None and self._split[0] == id(meta):
+        # The same split serves every layer of a forward: build it once per metadata object (held, so that its id
+        # cannot be reused by a later forward's metadata).
+        if self._split is not None and self._split[0] is meta:
             return self._split[1]
         dense_idx, shadow, dense_rows = [], [], []
         for i, (seq_id, start, n, ctx) in enumerate(zip(meta.seq_ids, meta.query_starts, meta.query_lens,
@@ -156,7 +157,7 @@ class ShadowKVCache(KVCache):
                 meta.is_prefill, [meta.seq_ids[i] for i in dense_idx], [meta.query_lens[i] for i in dense_idx],
                 [meta.context_lens[i] for i in dense_idx], meta.positions[dense_tokens])
         split = BatchSplit(dense_meta, dense_tokens, shadow)
-        self._split = (id(meta), split)
+        self._split = (meta, split)
         return split
 
     def finish_forward(self, meta: AttentionMetadata) -> None:

@@ -6,6 +6,7 @@ chunks are shadow chunks whose keys and values are also kept exact in the slot, 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,26 +36,46 @@ class Slots:
     sparse_k/v (N, L, Hkv, K*C, d); outlier_ids (N, L, Hkv, O); outlier_k/v (N, L, Hkv, O*C, d);
     window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window."""
 
+    sv: torch.Tensor
+    resident: torch.Tensor
+    sparse_k: torch.Tensor
+    sparse_v: torch.Tensor
+    outlier_ids: torch.Tensor
+    outlier_k: torch.Tensor
+    outlier_v: torch.Tensor
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+
     def __init__(self, max_num_seqs: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  config: ShadowKVConfig, dtype: torch.dtype, device: torch.device | str):
-        N, L, Hkv, d, C = max_num_seqs, num_layers, num_kv_heads, head_dim, config.chunk_size
+        self.window_tokens = config.local_chunks * config.chunk_size + config.decode_window
+        specs = self.buffer_specs(num_layers, num_kv_heads, head_dim, config, dtype)
+        for name, (shape, dt) in specs.items():
+            setattr(self, name, torch.zeros((max_num_seqs, *shape), dtype=dt, device=device))
+        self.slot_bytes = self.bytes_per_slot(num_layers, num_kv_heads, head_dim, config, dtype)
+        self.slots = BlockAllocator(max_num_seqs)
+
+    @staticmethod
+    def buffer_specs(num_layers: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
+                     dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape (without the leading slot dimension) and dtype of each buffer of a slot."""
+        L, Hkv, d, C = num_layers, num_kv_heads, head_dim, config.chunk_size
         K, O = config.budget_chunks, config.outlier_chunks
-        self.window_tokens = config.local_chunks * C + config.decode_window
+        E = config.local_chunks * C + config.decode_window
+        return {
+            "sv": ((L, Hkv, config.rank, d), dtype),
+            "resident": ((L, Hkv, K), torch.int64),
+            "sparse_k": ((L, Hkv, K * C, d), dtype), "sparse_v": ((L, Hkv, K * C, d), dtype),
+            "outlier_ids": ((L, Hkv, O), torch.int64),
+            "outlier_k": ((L, Hkv, O * C, d), dtype), "outlier_v": ((L, Hkv, O * C, d), dtype),
+            "window_k": ((L, E, Hkv, d), dtype), "window_v": ((L, E, Hkv, d), dtype),
+        }
 
-        def zeros(*shape, dt=dtype):
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        self.sv = zeros(N, L, Hkv, config.rank, d)
-        self.resident = zeros(N, L, Hkv, K, dt=torch.int64)
-        self.sparse_k, self.sparse_v = zeros(N, L, Hkv, K * C, d), zeros(N, L, Hkv, K * C, d)
-        self.outlier_ids = zeros(N, L, Hkv, O, dt=torch.int64)
-        self.outlier_k, self.outlier_v = zeros(N, L, Hkv, O * C, d), zeros(N, L, Hkv, O * C, d)
-        self.window_k = zeros(N, L, self.window_tokens, Hkv, d)
-        self.window_v = zeros(N, L, self.window_tokens, Hkv, d)
-        self.slots = BlockAllocator(N)
-        buffers = (self.sv, self.resident, self.sparse_k, self.sparse_v, self.outlier_ids, self.outlier_k,
-                   self.outlier_v, self.window_k, self.window_v)
-        self.slot_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
+                       dtype: torch.dtype) -> int:
+        specs = Slots.buffer_specs(num_layers, num_kv_heads, head_dim, config, dtype)
+        return sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
 
     @property
     def num_slots(self) -> int:
