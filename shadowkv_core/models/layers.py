@@ -70,14 +70,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
+        if n <= self.chunk_tokens:
+            q, k_pre, k_rot, v = self._project(x, positions, seq_lens)
+        else:
+            q, k_pre, k_rot, v = self._project_chunked(x, positions, seq_lens)
+        out = cache.attend(self.layer_idx, q, k_pre, k_rot, v, meta)  # (T, Hq, d)
+        return chunked(self.o_proj, out.reshape(n, self.q_size), self.chunk_tokens)
+
+    def _project_chunked(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
+        n = x.shape[0]
         q = x.new_empty(n, self.num_heads, self.head_dim)
         k_pre, k_rot, v = (x.new_empty(n, self.num_kv_heads, self.head_dim) for _ in range(3))
         for s in range(0, n, self.chunk_tokens):
             e = s + self.chunk_tokens
             q[s:e], k_pre[s:e], k_rot[s:e], v[s:e] = self._project(
                 x[s:e], positions[s:e], None if seq_lens is None else seq_lens[s:e])
-        out = cache.attend(self.layer_idx, q, k_pre, k_rot, v, meta)  # (T, Hq, d)
-        return chunked(self.o_proj, out.reshape(n, self.q_size), self.chunk_tokens)
+        return q, k_pre, k_rot, v
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         """q (t, Hq, d) post-RoPE, k_pre (t, Hkv, d) pre-RoPE (after k_norm), k_rot post-RoPE, v (t, Hkv, d)."""

@@ -78,7 +78,7 @@ class ModelSpec:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         attention_bias = cfg.get("attention_bias", family in ("glm", "glm4"))
         rope_theta, rope_scaling, partial = _rope(cfg)
-        spec = cls(
+        return cls(
             architecture=architecture, family=family,
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads, head_dim=head_dim,
@@ -93,10 +93,8 @@ class ModelSpec:
             max_position_embeddings=cfg["max_position_embeddings"], sliding_window=_sliding_window(cfg, family),
             torch_dtype=_DTYPES.get(cfg.get("torch_dtype") or cfg.get("dtype")),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_token_ids(cfg.get("eos_token_id")))
-        spec._validate()
-        return spec
 
-    def _validate(self) -> None:
+    def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
