@@ -73,6 +73,7 @@ class EngineConfig:
     max_prefill_tokens: prompt tokens prefilled together in one step (one longer prompt still runs alone).
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
+    load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     """
 
     model: str
@@ -89,6 +90,7 @@ class EngineConfig:
     max_waiting: int = 256
     block_size: int = 16
     seed: int = 0
+    load_format: str = "auto"
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")
@@ -102,6 +104,8 @@ class EngineConfig:
         _require(self.prefill_chunk_tokens >= 1, f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         _require(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
+        _require(self.load_format in ("auto", "dummy"),
+                 f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)

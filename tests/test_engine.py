@@ -1,8 +1,10 @@
+import json
+
 import pytest
 import torch
 
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
-from shadowkv_core.tiny_model import build_tiny_model
+from shadowkv_core.tiny_model import build_tiny_model, tiny_llama_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # The tiny model has 2 KV heads of 16 dims: rank 32 is full rank; a 4096-token budget covers every context here,
@@ -140,3 +142,13 @@ def test_full_budget_full_rank_shadowkv_equals_dense_over_long_generation(tiny_p
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(len(o.token_ids) == 64 for o in got)
     assert cache_is_empty(shadow.engine) and shadow.engine.stats()["host_bytes_in_use"] == 0
+
+
+def test_dummy_weights_serve_a_config_only_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama_config(262)))
+    llm = LLM(model=str(tmp_path), load_format="dummy", gpu_cache_gib=0.01, max_model_len=256)
+    assert llm.tokenizer is None
+    out = llm.generate([[1, 2, 3, 4]], GREEDY)[0]
+    assert len(out.token_ids) == 12 and out.text == ""
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate("text needs a tokenizer", GREEDY)

@@ -23,7 +23,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.model, self.spec = load_model(config.model, config.requested_dtype(), self.device,
-                                           config.prefill_chunk_tokens)
+                                           config.prefill_chunk_tokens, config.load_format)
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)

@@ -17,22 +17,48 @@ _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.s
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
 
+LOAD_FORMATS = ("auto", "dummy")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_model(model: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               prefill_chunk_tokens: int = 8192) -> tuple[Decoder, ModelSpec]:
-    """model: a local directory or a hub id. dtype None: the checkpoint's torch_dtype (float32 if it names none)."""
+               prefill_chunk_tokens: int = 8192, load_format: str = "auto") -> tuple[Decoder, ModelSpec]:
+    """model: a local directory or a hub id. dtype None: the checkpoint's torch_dtype (float32 if it names none).
+    load_format "dummy": random weights of the real architecture (speed runs; only config.json is read)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = resolve_model_path(model)
     spec = ModelSpec.from_hf_config(read_config(path))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         raise ValueError(f"{path}: sliding_window={spec.sliding_window} (< max_position_embeddings="
                          f"{spec.max_position_embeddings}) is not supported: this engine attends to the whole context")
     decoder = Decoder(spec, dtype or spec.torch_dtype or torch.float32, device, prefill_chunk_tokens)
-    load_weights(decoder, weight_files(path))
+    if load_format == "dummy":
+        init_random_weights(decoder)
+    else:
+        load_weights(decoder, weight_files(path))
     return decoder.eval(), spec
 
 
+def init_random_weights(decoder: Decoder, seed: int = 0) -> None:
+    """Norm weights 1, biases 0, everything else N(0, 0.02): activations stay in range through many layers."""
+    gen = torch.Generator(device=next(decoder.parameters()).device).manual_seed(seed)
+    for name, param in decoder.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
 def load_tokenizer(model: str):
+    """The checkpoint's tokenizer, or None for a local directory that ships none (token ids only)."""
+    path = resolve_model_path(model)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer  # transformers only at this edge
-    return AutoTokenizer.from_pretrained(str(resolve_model_path(model)), trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def resolve_model_path(model: str) -> Path:
