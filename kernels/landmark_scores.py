@@ -24,7 +24,7 @@ def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_p
                    stride_qb, stride_lmp, stride_lmc, stride_tb, stride_on, stride_oh, stride_lb, stride_pb,
                    N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_CHUNKS: tl.constexpr,
-                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(num_chunks_ptr + b)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -37,7 +37,7 @@ def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_p
     page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_CHUNKS, mask=n_mask, other=0)
     lm_rows = page.to(tl.int64) * stride_lmp + (offs_n % PAGE_CHUNKS) * stride_lmc + h * HEAD_DIM
     lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    logits = tl.dot(q, tl.trans(lm), input_precision="ieee") * scale  # (GROUP_PAD, BLOCK_N) fp32
+    logits = tl.dot(q, tl.trans(lm), input_precision=DOT_PRECISION) * scale  # (GROUP_PAD, BLOCK_N) fp32
     # Outliers are attended exactly: excluded from the softmax. O is small, a compare against all of them is cheap.
     slot = tl.load(slot_ptr + b)
     offs_o = tl.arange(0, OUTLIERS_PAD)
@@ -107,7 +107,7 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
         outlier_ids.stride(1), logits.stride(0), part_m.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
         PAGE_CHUNKS=page_chunks, OUTLIERS_PAD=max(16, triton.next_power_of_2(outlier_ids.shape[2])),
-        BLOCK_N=block_n, num_warps=4)
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     _scores_kernel[grid](
         logits, part_m, part_l, scores, logits.stride(0), part_m.stride(0), scores.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, BLOCKS_PAD=triton.next_power_of_2(num_blocks), GROUP=G,

@@ -34,7 +34,7 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
                          stride_nb, stride_on, stride_oh,
                          CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
     if pid * MISS_BLOCK >= num_miss:
@@ -71,8 +71,8 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
         sv_rows = sv_base + offs_r[:, None] * HEAD_DIM
         sv1 = tl.load(sv_rows + first[None, :], mask=r_mask[:, None], other=0.0)
         sv2 = tl.load(sv_rows + second[None, :], mask=r_mask[:, None], other=0.0)
-        acc1 = tl.dot(u, sv1, acc1, input_precision="ieee")
-        acc2 = tl.dot(u, sv2, acc2, input_precision="ieee")
+        acc1 = tl.dot(u, sv1, acc1, input_precision=DOT_PRECISION)
+        acc2 = tl.dot(u, sv2, acc2, input_precision=DOT_PRECISION)
     # fp32 RoPE, as the reference: freqs = position * inv_freq; cos/sin scaled by the attention factor.
     inv_freq = tl.load(inv_freq_ptr + b * stride_ib + offs_j, mask=is_rot, other=0.0)
     freqs = token.to(tl.float32)[:, None] * inv_freq[None, :]  # (ROWS, HALF)
@@ -109,4 +109,5 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
         u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
         miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
         CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
-        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=32, num_warps=8)
+        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=32,
+        DOT_PRECISION="ieee" if u_pages.dtype == torch.float32 else "tf32", num_warps=8)  # fp32: no tf32

@@ -1,0 +1,150 @@
+"""Decode attention, flash-decoding: each program attends one query's GQA group over one split of its keys (online
+softmax), a second kernel merges the splits. Ragged lengths, GQA, keys from up to three segments per sequence.
+
+ShadowKV: the segments are [outliers | selected chunks | local + generated] of each sequence's slot. Dense: one
+paged segment, the pool's rows addressed through a block table. The same kernel: only the index source differs.
+References: shadowkv_core.shadowkv.batched_reference.sparse_decode_attention_batched and
+dense_decode_attention_batched.
+
+Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
+  q                 (B, Hq, d) contiguous; out (B, Hq, d), q's dtype
+  segment i (<= 3)  k, v (N, Hkv, T_i, d) strided views (last dim contiguous, k and v with the same strides),
+                    rows slot_ids[b]; lens (B,) int32 keys of each sequence in the segment (a prefix of T_i).
+                    A window stored (N, E, Hkv, d) is passed as its .transpose(1, 2); a dense pool (rows, Hkv, d)
+                    as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
+  slot_ids          (B,) int32
+  partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
+"""
+import torch
+import triton
+import triton.language as tl
+
+_NUM_SMS: dict[int, int] = {}
+
+
+@triton.jit
+def _segment_offsets(t, start, n, stride_t, table_ptr, PAGE_SIZE: tl.constexpr):
+    """Row offsets (in elements) of keys [start, start + n) of a segment, for the tokens t of the whole list."""
+    local = t - start
+    inside = (local >= 0) & (local < n)
+    if PAGE_SIZE > 0:
+        block = tl.load(table_ptr + local // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
+        row = block * PAGE_SIZE + local % PAGE_SIZE
+    else:
+        row = local.to(tl.int64)
+    return inside, row * stride_t
+
+
+@triton.jit
+def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_ptr, lens1_ptr, lens2_ptr,
+                  table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits, split_tokens,
+                  stride_qb, stride_0n, stride_0h, stride_0t, stride_1n, stride_1h, stride_1t,
+                  stride_2n, stride_2h, stride_2t, stride_tb, stride_pb, stride_ab,
+                  GROUP: tl.constexpr,
+                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
+    lo = split * split_tokens
+    hi = tl.minimum(lo + split_tokens, n0 + n1 + n2)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = h * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    base0 = slot * stride_0n + h * stride_0h
+    base1 = slot * stride_1n + h * stride_1h
+    base2 = slot * stride_2n + h * stride_2h
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        in0, off0 = _segment_offsets(t, 0, n0, stride_0t, table_ptr + b * stride_tb, PAGE_SIZE)
+        in1, off1 = _segment_offsets(t, n0, n1, stride_1t, table_ptr, 0)
+        in2, off2 = _segment_offsets(t, n0 + n1, n2, stride_2t, table_ptr, 0)
+        valid = t < hi
+        k_rows = tl.where(in0, k0_ptr + base0 + off0, tl.where(in1, k1_ptr + base1 + off1, k2_ptr + base2 + off2))
+        v_rows = tl.where(in0, v0_ptr + base0 + off0, tl.where(in1, v1_ptr + base1 + off1, v2_ptr + base2 + off2))
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    part = b * stride_pb + heads * num_splits + split
+    tl.store(part_m_ptr + part, m_i, mask=g_mask)
+    tl.store(part_l_ptr + part, l_i, mask=g_mask)
+    tl.store(part_acc_ptr + b * stride_ab + (heads * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, stride_pb, stride_ab, stride_ob,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    hq, b = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    part = b * stride_pb + hq * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + b * stride_ab + (hq * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_part * w, 0)
+    tl.store(out_ptr + b * stride_ob + hq * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
+                     page_size: int = 0, block_n: int = 64, split_tokens: int | None = None) -> torch.Tensor:
+    """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
+    split_tokens (a multiple of block_n): keys per split; by default enough splits for a few programs per SM."""
+    B, Hq, d = q.shape
+    assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
+    assert slot_ids.shape == (B,) and slot_ids.dtype == torch.int32
+    for k, v, lens in segments:
+        assert k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride() and k.stride(3) == 1, k.shape
+        assert k.shape[3] == d and Hq % k.shape[1] == 0 and k.dtype == v.dtype == q.dtype
+        assert lens.shape == (B,) and lens.dtype == torch.int32
+    assert (page_table is None) == (page_size == 0)
+    if page_table is None:
+        page_table = slot_ids  # never read
+    assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+    Hkv = segments[0][0].shape[1]
+    G = Hq // Hkv
+    segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
+    # Enough splits to give every multiprocessor a few programs, whatever the batch.
+    if q.device.index not in _NUM_SMS:
+        _NUM_SMS[q.device.index] = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                                    if q.is_cuda else 1)
+    blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
+    if split_tokens is None:
+        split_tokens = block_n * triton.cdiv(blocks * B * Hkv, 4 * _NUM_SMS[q.device.index])
+    split_tokens = min(split_tokens, block_n * blocks)
+    assert split_tokens % block_n == 0
+    num_splits = triton.cdiv(blocks * block_n, split_tokens)
+    part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(B, Hq, num_splits, d, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = segments
+    _split_kernel[(num_splits, Hkv, B)](
+        q, k0, v0, k1, v1, k2, v2, n0, n1, n2, page_table, slot_ids, part_m, part_l, part_acc,
+        scale * 1.4426950408889634, num_splits, split_tokens,  # scale in exp2 units: times log2(e)
+        q.stride(0), k0.stride(0), k0.stride(1), k0.stride(2), k1.stride(0), k1.stride(1), k1.stride(2),
+        k2.stride(0), k2.stride(1), k2.stride(2), page_table.stride(0), part_m.stride(0), part_acc.stride(0),
+        GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
+        HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    _merge_kernel[(Hq, B)](
+        part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)
+    return out

@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, slot_ids_for
+from kernels.decode_attention import decode_attention
+from shadowkv_core.shadowkv.batched_reference import (dense_decode_attention_batched,
+                                                      sparse_decode_attention_batched)
+
+
+def _ragged(g, B, hi, lo=0):
+    return torch.randint(lo, hi + 1, (B,), generator=g, dtype=torch.int32)
+
+
+def _check_sparse(B, Hq, Hkv, d, O_tokens, K_tokens, E, dtype, device, seed=0, **launch):
+    """[outliers | selected | window] per slot, the slot layouts of shadowkv.slots.Slots (one layer)."""
+    g = torch.Generator().manual_seed(seed)
+    N = B + 2
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    outlier_k, outlier_v = rand(N, Hkv, O_tokens, d), rand(N, Hkv, O_tokens, d)
+    sparse_k, sparse_v = rand(N, Hkv, K_tokens, d), rand(N, Hkv, K_tokens, d)
+    window_k, window_v = rand(N, E, Hkv, d), rand(N, E, Hkv, d)  # token-major, as the slots store it
+    lens = [_ragged(g, B, O_tokens), _ragged(g, B, K_tokens), _ragged(g, B, E, lo=1)]
+    segments = [(outlier_k, outlier_v, lens[0].to(device)), (sparse_k, sparse_v, lens[1].to(device)),
+                (window_k.transpose(1, 2), window_v.transpose(1, 2), lens[2].to(device))]
+    q = rand(B, Hq, d)
+    slot_ids = slot_ids_for(B, N, g).to(device)
+    scale = d ** -0.5
+    expected = sparse_decode_attention_batched(q, segments, slot_ids, scale)
+    max_len = int(sum(n.max() for n in lens))
+    got = decode_attention(q, segments, slot_ids, scale, max_len, **launch)
+    assert_close(got, expected, dtype, "sparse decode attention")
+
+
+def _check_dense(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, **launch):
+    g = torch.Generator().manual_seed(seed)
+    table, num_blocks = page_tables(context_lens, block_size, g)
+    k_pool = torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device, dtype)
+    v_pool = torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device, dtype)
+    q = torch.randn(len(context_lens), Hq, d, generator=g).to(device, dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    scale = d ** -0.5
+    expected = dense_decode_attention_batched(q, k_pool, v_pool, table, lens, block_size, scale)
+    pool = (k_pool.permute(1, 0, 2)[None], v_pool.permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
+    slot_ids = torch.zeros(len(context_lens), dtype=torch.int32, device=device)
+    got = decode_attention(q, [pool], slot_ids, scale, max(context_lens), page_table=table, page_size=block_size,
+                           **launch)
+    assert_close(got, expected, dtype, "dense paged decode attention")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv", [(3, 8, 2), (2, 6, 3), (1, 4, 4)])
+def test_sparse_decode_attention_small(B, Hq, Hkv, dtype):
+    _check_sparse(B, Hq, Hkv, 32, O_tokens=24, K_tokens=100, E=40, dtype=dtype, device=DEVICE,
+                  block_n=16, split_tokens=32)  # several splits, blocks straddling the segments
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("context_lens,Hq,Hkv", [([70, 1, 33], 8, 2), ([129], 6, 3)])
+def test_dense_decode_attention_small(context_lens, Hq, Hkv, dtype):
+    _check_dense(context_lens, Hq, Hkv, 32, 16, dtype, DEVICE, block_n=16, split_tokens=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_sparse_decode_attention_llama(batch):
+    C = LLAMA["chunk_size"]
+    _check_sparse(batch, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"] * C,
+                  LLAMA["budget_chunks"] * C, 4 * C + 512, torch.bfloat16, "cuda", seed=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context,batch", [(32 * 1024, 8), (128 * 1024, 2)])
+def test_dense_decode_attention_llama(context, batch):
+    g = torch.Generator().manual_seed(batch)
+    lens = [int(context * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    _check_dense(lens, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], 16, torch.bfloat16, "cuda")
