@@ -40,13 +40,19 @@ class BatchSplit:
 
 
 class ShadowKVCache(KVCache):
+    """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `page_chunks`
+    chunks. `rotary` is the model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
+    sequences shorter than config.min_context."""
+
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
                  num_gpu_pages: int, num_host_pages: int, dense: KVCache, page_chunks: int = 16,
                  prefill_chunk_tokens: int = 8192):
         config.check_model(num_kv_heads, head_dim)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.config, self.scale, self.rotary, self.dense = config, scale, rotary, dense
-        self.num_layers, self.num_q_heads = num_layers, num_q_heads
+        self.num_layers = num_layers
         self.device = torch.device(device)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.gpu = GpuPages(num_layers, num_gpu_pages, page_chunks, config.chunk_size, config.rank, num_kv_heads,
