@@ -1,0 +1,237 @@
+"""Benchmark of the ShadowKV decode kernels (kernels/) at Llama-3.1-8B geometry, bf16, one layer, against ceilings
+measured in the same run: a device-to-device copy (bytes read + written) and one contiguous pinned host-to-device
+copy. Per kernel: median time (triton.testing.do_bench), bytes moved, GB/s (TFLOP/s for the key rebuild).
+Also: the value fetch (stream A) and key rebuild (stream B) alone and together, joined by events; and one layer's
+attention path (scores, top-k, bookkeeping, fetch || rebuild, attention) times the model's layers, against the
+DESIGN.md performance model's floor for the same bytes (the model's weights and MLP left out on both sides).
+
+    PYTHONPATH=. python benchmarks/kernels.py [--out benchmarks/results/kernels.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernels.assign_slots import assign_slots
+from kernels.decode_attention import decode_attention
+from kernels.fetch_values import fetch_values
+from kernels.landmark_scores import landmark_scores
+from kernels.rebuild_keys import rebuild_keys
+
+HQ, HKV, D, RANK, C, K, O, LOCAL, LAYERS = 32, 8, 128, 160, 8, 256, 48, 4, 32  # Llama-3.1-8B, ShadowKV defaults
+PAGE_CHUNKS, DTYPE, DEV = 16, torch.bfloat16, "cuda"
+ROWS: list[dict] = []
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def record(kernel: str, ms: float, nbytes: int, ceiling_gbps: float, **extra) -> dict:
+    row = dict(kernel=kernel, device=torch.cuda.get_device_name(), time_ms=ms, bytes=nbytes,
+               gbps=nbytes / ms / 1e6, ceiling_gbps=ceiling_gbps, **extra)
+    row["pct_of_ceiling"] = 100 * row["gbps"] / ceiling_gbps if ceiling_gbps else None
+    ROWS.append(row)
+    return row
+
+
+def ceilings() -> tuple[float, float]:
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    d2d = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    host = torch.empty(2 ** 28, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(host.numel(), dtype=torch.uint8, device=DEV)
+    h2d = host.numel() / bench(lambda: dev.copy_(host, non_blocking=True)) / 1e6
+    record("ceiling_d2d_copy", 2 * src.numel() / d2d / 1e6, 2 * src.numel(), d2d)
+    record("ceiling_h2d_copy", host.numel() / h2d / 1e6, host.numel(), h2d)
+    return d2d, h2d
+
+
+def page_table(num_rows: int, page_rows: int, batch: int) -> torch.Tensor:
+    pages = triton.cdiv(num_rows, page_rows)
+    return torch.randperm(batch * pages, device=DEV).view(batch, pages).int()
+
+
+def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
+    """One layer of a decode batch whose sequences are `context` tokens long (ragged by a few chunks)."""
+    n = context // C - LOCAL
+    num_chunks = (n - torch.arange(batch, device=DEV) * 3).int()
+    s = dict(batch=batch, n=n, num_chunks=num_chunks, slot_ids=torch.randperm(batch, device=DEV).int())
+    s["q"] = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+    s["gpu_table"] = page_table(context, PAGE_CHUNKS * C, batch)
+    num_pages = s["gpu_table"].numel()
+    s["landmarks"] = torch.randn(num_pages, PAGE_CHUNKS, HKV, D, device=DEV, dtype=DTYPE)
+    s["u"] = torch.randn(num_pages, PAGE_CHUNKS * C, RANK, device=DEV, dtype=DTYPE)
+    s["sv"] = torch.randn(batch, HKV, RANK, D, device=DEV, dtype=DTYPE) / RANK ** 0.5
+    s["outlier_ids"] = torch.rand(batch, HKV, n, device=DEV).argsort(-1)[..., :O].sort(-1).values
+    s["num_outliers"] = torch.full((batch,), O, dtype=torch.int32, device=DEV)
+    s["host"] = torch.randn(num_pages, PAGE_CHUNKS * C, HKV, D, dtype=DTYPE).pin_memory()
+    s["host_table"] = s["gpu_table"]
+    m = round((1 - hit_rate) * K)
+    s["miss_chunks"] = torch.rand(batch, HKV, n, device=DEV).argsort(-1)[..., :K].int().contiguous()
+    s["miss_slots"] = torch.rand(batch, HKV, K, device=DEV).argsort(-1).int().contiguous()
+    s["num_miss"] = torch.full((batch, HKV), m, dtype=torch.int32, device=DEV)
+    s["misses"] = batch * HKV * m
+    s["key_slots"] = torch.empty(batch, HKV, K * C, D, device=DEV, dtype=DTYPE)
+    s["value_slots"] = torch.empty_like(s["key_slots"])
+    s["outlier_k"] = torch.randn(batch, HKV, O * C, D, device=DEV, dtype=DTYPE)
+    s["outlier_v"] = torch.randn_like(s["outlier_k"])
+    s["window_k"] = torch.randn(batch, LOCAL * C + 512, HKV, D, device=DEV, dtype=DTYPE)
+    s["window_v"] = torch.randn_like(s["window_k"])
+    s["inv_freq"] = (1.0 / 500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))[None].expand(batch, -1)
+    s["resident"] = torch.full((batch, HKV, K), -1, dtype=torch.int64, device=DEV)
+    return s
+
+
+def run_scores(s, block_n=64):
+    return landmark_scores(s["q"], s["landmarks"], s["gpu_table"], s["num_chunks"], s["outlier_ids"], s["slot_ids"],
+                           s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
+
+
+def run_fetch(s, misses_per_program=2):
+    fetch_values(s["host"], s["host_table"], s["miss_chunks"], s["miss_slots"], s["num_miss"], s["slot_ids"],
+                 s["value_slots"], C, misses_per_program=misses_per_program)
+
+
+def run_rebuild(s, miss_block=16):
+    rebuild_keys(s["u"], s["gpu_table"], s["sv"], s["inv_freq"], 1.0, False, s["miss_chunks"], s["miss_slots"],
+                 s["num_miss"], s["slot_ids"], s["key_slots"], C, miss_block=miss_block)
+
+
+def fetch_and_rebuild(s, side_a, side_b, misses_per_program=2):
+    """Value fetch on stream A, key rebuild on stream B, both joined back to the current stream by events."""
+    main = torch.cuda.current_stream()
+    side_a.wait_stream(main)
+    side_b.wait_stream(main)
+    with torch.cuda.stream(side_a):
+        run_fetch(s, misses_per_program)
+    with torch.cuda.stream(side_b):
+        run_rebuild(s)
+    main.wait_stream(side_a)
+    main.wait_stream(side_b)
+
+
+def run_attention(s):
+    B = s["batch"]
+    lens = [torch.full((B,), n, dtype=torch.int32, device=DEV) for n in (O * C, K * C, LOCAL * C + 512)]
+    segments = [(s["outlier_k"], s["outlier_v"], lens[0]), (s["key_slots"], s["value_slots"], lens[1]),
+                (s["window_k"].transpose(1, 2), s["window_v"].transpose(1, 2), lens[2])]
+    return decode_attention(s["q"], segments, s["slot_ids"], D ** -0.5, sum((O * C, K * C, LOCAL * C + 512)))
+
+
+def bench_scores(s, d2d):
+    B, n = s["batch"], s["n"]
+    nbytes = B * n * HKV * D * 2 + B * HQ * n * 4 * 2 + B * HKV * n * 4  # landmarks; logits w+r; scores
+    best = min((bench(lambda: run_scores(s, bn)), bn) for bn in (32, 64, 128))
+    record("landmark_scores", best[0], nbytes, d2d, batch=B, context=n * C, block_n=best[1])
+    scores = run_scores(s)
+    record("topk (torch.topk)", bench(lambda: scores.topk(K, dim=-1)), scores.numel() * 4, d2d, batch=B)
+    selected = scores.topk(K, dim=-1).indices.contiguous()
+    num_sel = torch.full((B,), K, dtype=torch.int32, device=DEV)
+    ms = bench(lambda: assign_slots(s["resident"], s["slot_ids"], selected, num_sel))
+    record("assign_slots", ms, B * HKV * K * (8 * 3 + 4 * 2), d2d, batch=B)
+
+
+def bench_fetch_rebuild(s, d2d, h2d, tag=""):
+    value_bytes = s["misses"] * C * D * 2
+    best = min((bench(lambda: run_fetch(s, mpp)), mpp) for mpp in (1, 2, 4))
+    record("fetch_values" + tag, best[0], value_bytes, h2d, batch=s["batch"], misses=s["misses"],
+           misses_per_program=best[1])
+    fetch_ms = best[0]
+    rebuild_bytes = s["misses"] * C * (RANK + D) * 2 + s["batch"] * HKV * RANK * D * 2
+    flops = 2 * s["misses"] * C * RANK * D
+    rebuild_ms = bench(lambda: run_rebuild(s))
+    record("rebuild_keys" + tag, rebuild_ms, rebuild_bytes, d2d, batch=s["batch"], misses=s["misses"],
+           tflops=flops / rebuild_ms / 1e9)
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    both_ms = bench(lambda: fetch_and_rebuild(s, *streams, best[1]))
+    record("fetch || rebuild" + tag, both_ms, value_bytes + rebuild_bytes, h2d, batch=s["batch"],
+           fetch_alone_ms=fetch_ms, rebuild_alone_ms=rebuild_ms, serial_ms=fetch_ms + rebuild_ms,
+           overlap_pct=100 * (fetch_ms + rebuild_ms - both_ms) / min(fetch_ms, rebuild_ms))
+
+
+def bench_attention(s, d2d, context):
+    B = s["batch"]
+    keys = O * C + K * C + LOCAL * C + 512
+    record("sparse_decode_attention", bench(lambda: run_attention(s)), 2 * B * HKV * keys * D * 2, d2d, batch=B,
+           keys=keys)
+    block = 16
+    table = page_table(context, block, B)
+    pool_k = torch.randn(table.numel() * block, HKV, D, device=DEV, dtype=DTYPE)
+    pool_v = torch.randn_like(pool_k)
+    lens = torch.full((B,), context, dtype=torch.int32, device=DEV)
+    pool = [(pool_k.permute(1, 0, 2)[None], pool_v.permute(1, 0, 2)[None], lens)]
+    zeros = torch.zeros(B, dtype=torch.int32, device=DEV)
+    ms = bench(lambda: decode_attention(s["q"], pool, zeros, D ** -0.5, context, page_table=table, page_size=block))
+    record("dense_paged_decode_attention", ms, 2 * B * HKV * context * D * 2, d2d, batch=B, context=context)
+    q4 = s["q"][:, :, None]  # (B, Hq, 1, d)
+    k4 = pool_k.view(B, context, HKV, D).transpose(1, 2).contiguous()  # (B, Hkv, context, d)
+    v4 = pool_v.view(B, context, HKV, D).transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ms = bench(lambda: sdpa(q4, k4, v4, enable_gqa=True))
+    record("torch_sdpa_decode (contiguous, for comparison)", ms, 2 * B * HKV * context * D * 2, d2d, batch=B)
+
+
+def bench_layer_path(s, d2d, h2d, hit_rate):
+    """scores -> top-k -> bookkeeping -> fetch || rebuild -> attention, one layer, x LAYERS."""
+    B = s["batch"]
+    num_sel = torch.full((B,), K, dtype=torch.int32, device=DEV)
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def layer():
+        selected = run_scores(s).topk(K, dim=-1).indices
+        assign_slots(s["resident"], s["slot_ids"], selected, num_sel)  # the fixed miss lists are fetched below
+        fetch_and_rebuild(s, *streams)
+        return run_attention(s)
+
+    ms = bench(layer) * LAYERS
+    n, keys = s["n"], O * C + K * C + LOCAL * C + 512
+    hbm = B * HKV * D * 2 * (n + 2 * keys) + s["misses"] * C * RANK * 2  # landmarks, K+V attended, U rows
+    pcie = s["misses"] * C * D * 2
+    floor_ms = LAYERS * max(hbm / d2d, pcie / h2d) / 1e6
+    record("decode_step_attention_path", ms, LAYERS * (hbm + pcie), d2d, batch=B, context=n * C,
+           hit_rate=hit_rate, floor_ms=floor_ms, time_over_floor=ms / floor_ms,
+           note="all layers' attention path only: weights and MLP excluded from time and floor")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/kernels.json")
+    parser.add_argument("--context", type=int, default=128 * 1024)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    start = time.time()
+    d2d, h2d = ceilings()
+    s = shadow_batch(args.batch, args.context, hit_rate=0.6)
+    bench_scores(s, d2d)
+    bench_fetch_rebuild(s, d2d, h2d, tag=" (60% hits)")
+    s["num_miss"].fill_(K)
+    s["misses"] = s["batch"] * HKV * K
+    bench_fetch_rebuild(s, d2d, h2d, tag=" (all miss)")
+    s["num_miss"].fill_(round(0.4 * K))
+    s["misses"] = s["batch"] * HKV * round(0.4 * K)
+    bench_attention(s, d2d, args.context)
+    bench_layer_path(s, d2d, h2d, hit_rate=0.6)
+    meta = dict(command=" ".join(sys.argv), python=platform.python_version(), torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
+                batch=args.batch, context=args.context, dtype=str(DTYPE), seconds=time.time() - start,
+                budget_share=K * C / args.context)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
+    print(f"\n{'kernel':<48}{'ms':>9}{'MB':>10}{'GB/s':>9}{'ceiling':>9}{'%':>6}")
+    for r in ROWS:
+        pct = f"{r['pct_of_ceiling']:.0f}" if r["pct_of_ceiling"] is not None else "-"
+        print(f"{r['kernel']:<48}{r['time_ms']:>9.4f}{r['bytes'] / 1e6:>10.1f}{r['gbps']:>9.1f}"
+              f"{r['ceiling_gbps']:>9.1f}{pct:>6}")
+
+
+if __name__ == "__main__":
+    main()
