@@ -28,17 +28,24 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
         landmarks = chunk_landmarks(k_rot[:middle], C)  # (n, Hkv, d)
         cache.gpu.write_landmarks(layer, st.gpu_table, 0, landmarks)
         cache.host.write(layer, st.host_table, 0, v[:middle])
-    if st.num_outliers:
-        ids = find_outlier_chunks(k_rot[:middle], landmarks, C, st.num_outliers)  # (Hkv, O)
-        Hkv, O = ids.shape
-        tokens = (ids[:, :, None] * C + torch.arange(C, device=ids.device)).view(Hkv, O * C)  # (Hkv, O*C)
-        heads = torch.arange(Hkv, device=ids.device)[:, None]
-        slots.outlier_ids[st.slot, layer, :, :O] = ids
-        slots.outlier_k[st.slot, layer, :, :O * C] = k_rot[tokens, heads]  # (Hkv, O*C, d)
-        slots.outlier_v[st.slot, layer, :, :O * C] = v[tokens, heads]
+        if st.num_outliers:
+            store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)
     slots.window_k[st.slot, layer, :st.window_len] = k_rot[middle:]
     slots.window_v[st.slot, layer, :st.window_len] = v[middle:]
     return out
+
+
+def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
+                   landmarks: torch.Tensor) -> None:
+    """Keep the outlier chunks of the shadow exact in the slot. k_rot, v (n*C, Hkv, d); landmarks (n, Hkv, d)."""
+    slots, C = cache.slots, cache.config.chunk_size
+    ids = find_outlier_chunks(k_rot, landmarks, C, st.num_outliers)  # (Hkv, O)
+    Hkv, O = ids.shape
+    tokens = (ids[:, :, None] * C + torch.arange(C, device=ids.device)).view(Hkv, O * C)  # (Hkv, O*C)
+    heads = torch.arange(Hkv, device=ids.device)[:, None]
+    slots.outlier_ids[st.slot, layer, :, :O] = ids
+    slots.outlier_k[st.slot, layer, :, :O * C] = k_rot[tokens, heads]  # (Hkv, O*C, d)
+    slots.outlier_v[st.slot, layer, :, :O * C] = v[tokens, heads]
 
 
 def decode_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
