@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from shadowkv_core.attention import AttentionMetadata
+
 _GEOMETRY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  bos_token_id=1, eos_token_id=2, pad_token_id=None)
@@ -45,3 +47,30 @@ def build_tiny_hf_model(family: str, path: str | Path, seed: int = 0, **override
                 param.copy_(0.15 * torch.randn_like(param))
     model.save_pretrained(path)
     return model.eval()
+
+
+def prefill(decoder, cache, prompts):
+    """Prefill prompts (token tensors) as sequences 0..n-1 of `cache`; logits of every prompt token."""
+    device = next(decoder.parameters()).device
+    lens = [len(p) for p in prompts]
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    meta = AttentionMetadata(True, list(range(len(prompts))), lens, [0] * len(prompts), positions)
+    logits = decoder.compute_logits(decoder(torch.cat(prompts).to(device), positions, cache, meta))
+    cache.finish_forward(meta)
+    return logits
+
+
+def decode(decoder, cache, tokens, cached_lens):
+    """One decode step of sequences 0..n-1 fed `tokens`; logits (n, vocab)."""
+    device = next(decoder.parameters()).device
+    positions = torch.tensor(cached_lens, device=device)
+    meta = AttentionMetadata(False, list(range(len(tokens))), [1] * len(tokens), list(cached_lens), positions)
+    logits = decoder.compute_logits(decoder(torch.tensor(tokens, device=device), positions, cache, meta))
+    cache.finish_forward(meta)
+    return logits
+
+
+def assert_close_to(ours, ref, what, rel=1e-4):
+    err = (ours.float() - ref.float()).abs().max().item()
+    bound = rel * ref.float().abs().max().item()
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g} ({rel:g} of the logit scale)"
