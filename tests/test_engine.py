@@ -115,11 +115,11 @@ def test_a_failing_step_fails_only_its_requests_and_frees_them(llm, monkeypatch)
     prompt = prompts_of_lengths([12], seed=9)[0]
     engine.add_request("victim", prompt, GREEDY)
 
-    def broken(seqs):
+    def broken(job, num_layers):
         raise RuntimeError("injected failure")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.runner, "prefill", broken)
+        patch.setattr(engine.runner, "advance_prefill", broken)
         (out,) = engine.step()
     assert out.finished and out.finish_reason == "error" and "injected failure" in out.error
     assert cache_is_empty(engine)
@@ -152,3 +152,26 @@ def test_dummy_weights_serve_a_config_only_checkpoint(tmp_path):
     assert len(out.token_ids) == 12 and out.text == ""
     with pytest.raises(ValueError, match="prompt"):
         llm.generate("text needs a tokenizer", GREEDY)
+
+
+def test_a_long_prefill_advances_layer_by_layer_while_decodes_keep_running(tiny_path):
+    llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=32,
+              shadowkv=FULL_SHADOW)
+    engine = llm.engine
+    short, long, doomed = prompts_of_lengths([10, 64, 64], seed=13)
+    want = [o.token_ids for o in llm.generate([short, long], GREEDY)]
+    engine.add_request("short", short, GREEDY)
+    engine.step()  # the short prompt prefills in one step: 10 tokens fit the 32-token budget
+    engine.add_request("long", long, GREEDY)
+    engine.add_request("doomed", doomed, GREEDY)  # joins the long one's 128-token job: one layer of two per step
+    first = {o.request_id: o for o in engine.step()}
+    assert "short" in first and "long" not in first and engine.prefill_job.next_layer == 1
+    engine.abort("doomed")
+    assert [s.request_id for s in engine.prefill_job.seqs] == ["long"]
+    second = {o.request_id: o for o in engine.step()}
+    assert second["long"].token_ids and engine.prefill_job is None
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outs["short"].token_ids, outs["long"].token_ids] == want
+    assert cache_is_empty(engine)

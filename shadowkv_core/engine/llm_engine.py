@@ -9,11 +9,11 @@ import torch
 from ..config import EngineConfig
 from ..models import load_model, load_tokenizer
 from .cache_factory import build_cache
-from .runner import ModelRunner
+from .runner import ModelRunner, PrefillJob
 from .sampler import sample
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence
+from .sequence import RequestOutput, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
         self.requests: dict[str, Sequence] = {}
+        self.prefill_job: PrefillJob | None = None
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
@@ -78,31 +79,45 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             seq.finish("abort")
-            self.scheduler.finish(seq)
+            self._release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Decode one token for every running request, and advance the prefill under way by as many layers as
+        `max_prefill_tokens` buys (a short prompt's whole prefill; a long prompt's over several steps)."""
         scheduled = self.scheduler.schedule()
         outputs = []
         if scheduled.prefill:
-            outputs += self._run(self.runner.prefill, scheduled.prefill)
+            self.prefill_job = self.runner.start_prefill(scheduled.prefill)
         if scheduled.decode:
             outputs += self._run(self.runner.decode, scheduled.decode)
+        if self.prefill_job is not None:
+            job = self.prefill_job
+            num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)
+            outputs += self._run(lambda seqs: self.runner.advance_prefill(job, num_layers), job.seqs)
         return outputs
 
     def _run(self, forward, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Run a forward over `seqs` and sample from its logits; a forward that returns None (a prefill with layers
+        still to run) produces nothing yet."""
         try:
-            tokens = sample(forward(seqs), seqs)
+            logits = forward(seqs)
+            tokens = None if logits is None else sample(logits, seqs)
         except Exception as exc:  # one failed forward fails only its own requests, and frees them
             logger.exception("engine step failed for %d requests", len(seqs))
-            for seq in seqs:
+            for seq in list(seqs):
                 seq.finish("error", f"{type(exc).__name__}: {exc}")
                 self._release(seq)
             return [seq.output(0) for seq in seqs]
-        for seq, token in zip(seqs, tokens):
+        if tokens is None:
+            return []
+        for seq, token in zip(list(seqs), tokens):
+            if seq.status is SequenceStatus.PREFILLING:
+                seq.status = SequenceStatus.RUNNING
+                self.prefill_job = None
             self._append(seq, token)
         return [seq.output(1) for seq in seqs]
 
@@ -127,6 +142,9 @@ class LLMEngine:
         return text if final else text.rstrip("\ufffd")  # a partial UTF-8 character waits for its next bytes
 
     def _release(self, seq: Sequence) -> None:
+        """Free a finished, failed or aborted request's cache at once, and drop it from the prefill under way."""
+        if self.prefill_job is not None and seq in self.prefill_job.seqs:
+            self.prefill_job = self.prefill_job.without(seq)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
 

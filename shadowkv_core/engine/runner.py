@@ -1,10 +1,38 @@
-"""ModelRunner: the device side of a step. Builds the ragged batch, runs the decoder, returns last-token logits."""
+"""ModelRunner: the device side of a step. Builds the ragged batch, runs the decoder, returns last-token logits.
+
+A prefill is a PrefillJob: its prompts' hidden states advance a few layers per engine step (as many as the step's
+prefill token budget buys), so one long prompt never stalls the running decodes for its whole prefill."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..attention import AttentionMetadata, KVCache
 from .sequence import Sequence
+
+
+@dataclass
+class PrefillJob:
+    seqs: list[Sequence]
+    meta: AttentionMetadata
+    hidden: torch.Tensor  # (T, hidden) after layers [0, next_layer)
+    next_layer: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hidden.shape[0]
+
+    def without(self, seq: Sequence) -> PrefillJob | None:
+        """The job less one sequence (aborted mid-prefill); None if it was the last."""
+        keep = [i for i, s in enumerate(self.seqs) if s is not seq]
+        if not keep:
+            return None
+        starts, lens = self.meta.query_starts, self.meta.query_lens
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep]).to(self.hidden.device)
+        meta = AttentionMetadata(True, [self.meta.seq_ids[i] for i in keep], [lens[i] for i in keep],
+                                 [0] * len(keep), self.meta.positions[rows])
+        return PrefillJob([self.seqs[i] for i in keep], meta, self.hidden[rows], self.next_layer)
 
 
 class ModelRunner:
@@ -13,15 +41,32 @@ class ModelRunner:
         self.cache = cache
         self.device = device
 
+    @property
+    def num_layers(self) -> int:
+        return self.model.spec.num_layers
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Whole prompts of `seqs`, flattened; returns (B, vocab) float32 logits of each prompt's last token."""
+    def start_prefill(self, seqs: list[Sequence]) -> PrefillJob:
+        """Embed the whole prompts of `seqs`, flattened; no layer has run yet."""
         lens = [seq.prompt_len for seq in seqs]
         input_ids = torch.tensor([t for seq in seqs for t in seq.prompt_token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, [0] * len(seqs), positions.to(self.device))
-        last = torch.tensor(lens).cumsum(0) - 1
-        return self._forward(input_ids, meta, last)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, [0] * len(seqs), positions)
+        return PrefillJob(seqs, meta, self.model.embed_tokens(input_ids.to(self.device)))
+
+    @torch.inference_mode()
+    def advance_prefill(self, job: PrefillJob, num_layers: int) -> torch.Tensor | None:
+        """Run the job's next `num_layers` layers; when it has run them all, (B, vocab) float32 logits of each
+        prompt's last token, else None."""
+        end = min(job.next_layer + num_layers, self.num_layers)
+        job.hidden = self.model.forward_layers(job.hidden, job.meta.positions, self.cache, job.meta,
+                                               job.next_layer, end)
+        job.next_layer = end
+        if end < self.num_layers:
+            return None
+        self.cache.finish_forward(job.meta)
+        last = torch.tensor(job.meta.query_lens).cumsum(0) - 1
+        return self.model.compute_logits(self.model.final_norm(job.hidden[last.to(self.device)]))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -30,9 +75,6 @@ class ModelRunner:
         input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.int64)
         meta = AttentionMetadata(False, [s.seq_id for s in seqs], [1] * len(seqs), context,
                                  torch.tensor(context, dtype=torch.int64, device=self.device))
-        return self._forward(input_ids, meta, torch.arange(len(seqs)))
-
-    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids.to(self.device), meta.positions, self.cache, meta)  # (T, H)
+        hidden = self.model(input_ids.to(self.device), meta.positions, self.cache, meta)  # (B, H)
         self.cache.finish_forward(meta)
-        return self.model.compute_logits(hidden[last.to(self.device)])
+        return self.model.compute_logits(hidden)

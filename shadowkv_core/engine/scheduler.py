@@ -1,8 +1,8 @@
 """Scheduler: continuous batching over ragged lengths.
 
-Every step, waiting sequences are admitted for prefill while the cache can hold them (everything they will ever
-need is reserved up front, so admitted work never runs out of memory mid-decode), and every running sequence decodes
-one token. Prefills are grouped by context length: the oldest waiting sequence picks the length bucket and only
+Every step, every running sequence decodes one token, and, when no prefill is under way, waiting sequences are
+admitted for the next one while the cache can hold them (everything they will ever need is reserved up front, so
+admitted work never runs out of memory mid-decode). Prefills are grouped by context length: the oldest waiting sequence picks the length bucket and only
 prompts of that bucket join its prefill batch, up to a token budget, so long prefills do not ride with short ones.
 """
 from __future__ import annotations
@@ -51,8 +51,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledStep:
-        decode = list(self.running)
-        prefill = self._admit()
+        decode = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
+        prefilling = len(decode) < len(self.running)
+        prefill = [] if prefilling else self._admit()
         self.running.extend(prefill)
         return ScheduledStep(prefill, decode)
 
@@ -73,7 +74,7 @@ class Scheduler:
                 break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
             self.cache.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
             self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = SequenceStatus.PREFILLING
             admitted.append(seq)
             tokens += seq.prompt_len
         return admitted

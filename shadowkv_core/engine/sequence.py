@@ -11,7 +11,8 @@ from .sampling import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    RUNNING = "running"
+    PREFILLING = "prefilling"  # admitted, cache reserved, its prefill job under way
+    RUNNING = "running"  # decoding
     FINISHED = "finished"
 
 

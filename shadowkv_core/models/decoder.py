@@ -34,10 +34,20 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, hidden)."""
-        seq_lens = self._rope_seq_lens(meta, positions.device) if self.rotary.uses_seq_lens else None
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        for layer in self.layers:
+        h = self.forward_layers(h, positions, cache, meta, 0, self.spec.num_layers)
+        return self.final_norm(h)
+
+    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                       start: int, end: int) -> torch.Tensor:
+        """Layers [start, end) over hidden states h (T, hidden): a long prefill runs a few layers per engine step,
+        between decode steps, instead of stalling them."""
+        seq_lens = self._rope_seq_lens(meta, positions.device) if self.rotary.uses_seq_lens else None
+        for layer in self.layers[start:end]:
             h = layer(h, positions, seq_lens, cache, meta)
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return chunked(self.norm, h, self.chunk_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
