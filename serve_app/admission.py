@@ -67,16 +67,40 @@ def _eval(coeffs: tuple[float, float, float], prompt_len: int, max_tokens: int) 
 
 @dataclass
 class _Replica:
+    """One replica's last report and this process's requests on it: `reserved` (placed, not in the report yet, so
+    not in its free bytes), `counted` (placed and in the report), `credited` (ended here, still in the report: its
+    bytes are free again although the report does not say so yet)."""
+
     free_gpu: int
     free_host: int
     free_slots: int
     stats: dict
     reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
+    counted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    credited: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def room(self) -> tuple[int, int, int]:
-        gpu = self.free_gpu - sum(g for g, _ in self.reserved.values())
-        host = self.free_host - sum(h for _, h in self.reserved.values())
-        return gpu, host, self.free_slots - len(self.reserved)
+        gpu = self.free_gpu - _total(self.reserved, 0) + _total(self.credited, 0)
+        host = self.free_host - _total(self.reserved, 1) + _total(self.credited, 1)
+        return gpu, host, self.free_slots - len(self.reserved) + len(self.credited)
+
+    def reported(self, stats: dict) -> "_Replica":
+        """This replica after a fresh report: what the report lists is counted, what it no longer lists is gone."""
+        listed = set(stats.get("request_ids", ()))
+        held = {**self.reserved, **self.counted}
+        return _Replica(stats["free_gpu_bytes"], stats["free_host_bytes"], stats["free_slots"], stats,
+                        reserved={k: v for k, v in self.reserved.items() if k not in listed},
+                        counted={k: v for k, v in held.items() if k in listed and k not in self.credited},
+                        credited={k: v for k, v in self.credited.items() if k in listed})
+
+    def release(self, request_id: str) -> None:
+        self.reserved.pop(request_id, None)
+        if request_id in self.counted:
+            self.credited[request_id] = self.counted.pop(request_id)
+
+
+def _total(requests: dict[str, tuple[int, int]], i: int) -> int:
+    return sum(v[i] for v in requests.values())
 
 
 class CapacityBoard:
@@ -88,18 +112,11 @@ class CapacityBoard:
         self._replicas: dict[str, _Replica] = {}
 
     def update(self, reports: dict[str, dict]) -> None:
-        """Replace the view with fresh `record_routing_stats` reports, keyed by replica id."""
+        """Replace the view with fresh `record_routing_stats` reports, keyed by replica id; replicas not reported
+        yet (no capacity in their stats) are left out."""
         with self._lock:
-            fresh = {}
-            for rid, stats in reports.items():
-                if "free_gpu_bytes" not in stats:
-                    continue  # replica up but not reported yet
-                known = set(stats.get("request_ids", ()))
-                old = self._replicas.get(rid)
-                reserved = {k: v for k, v in (old.reserved if old else {}).items() if k not in known}
-                fresh[rid] = _Replica(stats["free_gpu_bytes"], stats["free_host_bytes"], stats["free_slots"],
-                                      stats, reserved)
-            self._replicas = fresh
+            self._replicas = {rid: self._replicas.get(rid, _Replica(0, 0, 0, {})).reported(stats)
+                              for rid, stats in reports.items() if "free_gpu_bytes" in stats}
 
     def place(self, request_id: str, gpu: int, host: int) -> str | None:
         """Reserve the request on the replica it fits best (least GPU, then host, bytes left over); None if none."""
@@ -114,12 +131,13 @@ class CapacityBoard:
 
     def placement(self, request_id: str) -> str | None:
         with self._lock:
-            return next((rid for rid, rep in self._replicas.items() if request_id in rep.reserved), None)
+            return next((rid for rid, rep in self._replicas.items()
+                         if request_id in rep.reserved or request_id in rep.counted), None)
 
     def release(self, request_id: str) -> None:
         with self._lock:
             for rep in self._replicas.values():
-                rep.reserved.pop(request_id, None)
+                rep.release(request_id)
 
     def fits_when_idle(self, gpu: int, host: int) -> bool:
         """Whether some replica could hold the request once everything on it has finished."""
@@ -130,6 +148,10 @@ class CapacityBoard:
     def reports(self) -> list[dict]:
         with self._lock:
             return [dict(rep.stats) for rep in self._replicas.values()]
+
+    def has_free_slot(self) -> bool:
+        with self._lock:
+            return any(rep.room()[2] >= 1 for rep in self._replicas.values())
 
     def num_replicas(self) -> int:
         with self._lock:
@@ -157,6 +179,11 @@ class AdmissionGate:
     def __init__(self, board: CapacityBoard, max_waiting: int, max_wait_s: float, poll_s: float = 0.02):
         self.board, self.max_waiting, self.max_wait_s, self.poll_s = board, max_waiting, max_wait_s, poll_s
         self.num_waiting = 0
+
+    def refuse_early(self) -> None:
+        """Refuse before any work on the request (tokenization) when no replica has a slot and none may wait."""
+        if self.num_waiting >= self.max_waiting and not self.board.has_free_slot():
+            raise over_capacity(self.max_wait_s)
 
     async def admit(self, request_id: str, gpu: int, host: int) -> str:
         if not self.board.fits_when_idle(gpu, host):

@@ -73,6 +73,7 @@ class Ingress:
         arrived = time.monotonic()
         await self._require_ready()
         self._check_model(request.model)
+        self._refuse_early()
         prepared = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
                                            self.default_max_tokens)
         gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
@@ -85,6 +86,13 @@ class Ingress:
             return StreamingResponse(sse_stream(prepend(first, events), fmt, request.include_usage),
                                      media_type="text/event-stream")
         return await collect(prepend(first, events), kind, request_id, model)
+
+    def _refuse_early(self) -> None:
+        try:
+            self.gate.refuse_early()
+        except OpenAIError as exc:
+            self.metrics.rejected.labels(reason=exc.code).inc()
+            raise
 
     async def _admit(self, request_id: str, gpu: int, host: int) -> None:
         try:

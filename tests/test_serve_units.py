@@ -107,6 +107,18 @@ def test_board_places_best_fit_and_tracks_reservations_between_reports():
     assert not board.fits_when_idle(5 * GIB, 0) and board.fits_when_idle(GIB, 0)
 
 
+def test_board_credits_a_finished_request_until_the_report_catches_up():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    assert board.place("r1", GIB, 0) == "a"
+    board.update({"a": _report(0, slots=0, ids=["r1"])})
+    assert board.place("r2", GIB, 0) is None and board.placement("r1") == "a"
+    board.release("r1")  # ended; the replica's report still lists it
+    assert board.place("r2", GIB, 0) == "a"
+    board.update({"a": _report(0, slots=0, ids=["r2"])})  # r1 gone from the report, r2 now counted
+    assert board.place("r3", 1, 0) is None
+
+
 def test_board_respects_slots_and_ignores_unreported_replicas():
     board = CapacityBoard()
     board.update({"a": _report(4 * GIB, slots=1), "b": {}})
