@@ -144,6 +144,45 @@ def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tok
     return SeqBytes(slot_bytes(g, cfg) + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
 
 
+# ---- the engine's pools -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pools:
+    """What an engine allocates once at start: slots, dense blocks for short sequences, shadow pages."""
+
+    num_slots: int
+    num_dense_blocks: int
+    num_gpu_pages: int
+    num_host_pages: int
+
+    def gpu_bytes(self, g: Geometry, cfg: ShadowKVConfig | None, block_size: int) -> int:
+        shadow = 0 if cfg is None else self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
+        return shadow + self.num_dense_blocks * dense_block_bytes(g, block_size)
+
+    def host_bytes(self, g: Geometry, cfg: ShadowKVConfig | None) -> int:
+        return 0 if cfg is None else self.num_host_pages * host_page_bytes(g, cfg)
+
+
+def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, max_num_seqs: int,
+               block_size: int = 16) -> Pools:
+    """Split a cache budget: a dense engine takes it all in blocks. A ShadowKV engine takes max_num_seqs slots,
+    dense blocks for max_num_seqs sequences just under min_context (those stay dense), and GPU shadow pages with the
+    rest; host pages as many as its host budget holds."""
+    block = dense_block_bytes(g, block_size)
+    if cfg is None:
+        return Pools(0, gpu_bytes // block, 0, 0)
+    dense_blocks = max_num_seqs * math.ceil(cfg.min_context / block_size)
+    rest = gpu_bytes - max_num_seqs * slot_bytes(g, cfg) - dense_blocks * block
+    return Pools(max_num_seqs, dense_blocks, max(rest // gpu_page_bytes(g, cfg), 0),
+                 host_bytes // host_page_bytes(g, cfg))
+
+
+def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, max_new_tokens: int,
+                    block_size: int = 16) -> tuple[int, int]:
+    """(GPU, host) cache budgets whose pools hold exactly `batch` ShadowKV sequences of this shape."""
+    need = engine_seq_bytes(g, cfg, context, max_new_tokens, block_size)
+    return batch * need.gpu, batch * need.host
+
+
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
 def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int) -> int:
     """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer: the hidden states and q/k/v of the
@@ -163,15 +202,28 @@ def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: 
     return g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens) + overhead_bytes
 
 
+def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
+                     block_size: int = 16) -> SeqBytes:
+    """What one more sequence costs an engine sized for it: in a ShadowKV engine each of max_num_seqs holds a slot
+    and a dense reservation for a short sequence (plan_pools), plus pages when it is long."""
+    if cfg is None:
+        return seq_bytes(g, None, context, max_new_tokens, block_size)
+    reserved = slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
+    if context < cfg.min_context:
+        return SeqBytes(reserved, 0)
+    pages = shadow_pages(cfg, context + max_new_tokens)
+    return SeqBytes(reserved + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
+
+
 def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, contexts: list[int],
              max_new_tokens: int, chunk_tokens: int = 8192, block_size: int = 16) -> int:
-    """How many sequences of the given context mix (repeated in turn) fit in a replica's free GPU and host bytes,
+    """How many sequences of the given context mix (repeated in turn) a replica holds in its GPU and host bytes,
     after the fixed cost of weights and the largest prefill."""
     free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens)
     free_host = host_bytes
     batch = 0
     while True:
-        need = seq_bytes(g, cfg, contexts[batch % len(contexts)], max_new_tokens, block_size)
+        need = engine_seq_bytes(g, cfg, contexts[batch % len(contexts)], max_new_tokens, block_size)
         if need.gpu > free_gpu or need.host > free_host:
             return batch
         free_gpu, free_host, batch = free_gpu - need.gpu, free_host - need.host, batch + 1

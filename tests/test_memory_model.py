@@ -58,11 +58,11 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
     allocated_gpu = sum(t.numel() * t.element_size() for t in
                         (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *_slot_buffers(cache)))
-    predicted_gpu = (3 * mm.slot_bytes(g, cfg) + cache.gpu.num_pages * mm.gpu_page_bytes(g, cfg)
-                     + cache.dense.blocks.num_blocks * mm.dense_block_bytes(g, 16))
-    assert allocated_gpu == predicted_gpu <= 0.005 * mm.GIB
-    assert cache.host.values.numel() * cache.host.values.element_size() == \
-        cache.host.num_pages * mm.host_page_bytes(g, cfg)
+    pools = mm.plan_pools(g, cfg, int(0.005 * mm.GIB), int(0.002 * mm.GIB), 3)
+    assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages) == \
+        (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages)
+    assert allocated_gpu == pools.gpu_bytes(g, cfg, 16) <= 0.005 * mm.GIB
+    assert cache.host.values.numel() * cache.host.values.element_size() == pools.host_bytes(g, cfg)
     for prompt_len, max_new in ((300, 40), (20, 10)):  # a shadow sequence, then a dense one
         before = cache.stats()
         assert engine.footprint(prompt_len, max_new) == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
@@ -91,3 +91,12 @@ def test_cli_prints_dense_and_shadowkv_capacity(capsys):
 def test_cli_rejects_an_unknown_model():
     with pytest.raises(ValueError, match="--model"):
         mm.main(["--model", "no-such-model"])
+
+
+def test_pool_budget_for_a_batch_holds_exactly_that_batch():
+    cfg = dataclasses.replace(PAPER, min_context=4096)
+    gpu, host = mm.pool_budget_for(G8B, cfg, 7, 122880, 64)
+    pools = mm.plan_pools(G8B, cfg, gpu, host, 7)
+    pages = mm.shadow_pages(cfg, 122880 + 64)
+    assert pools.num_gpu_pages == pools.num_host_pages == 7 * pages
+    assert pools.gpu_bytes(G8B, cfg, 16) == gpu and pools.host_bytes(G8B, cfg) == host

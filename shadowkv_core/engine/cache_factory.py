@@ -49,13 +49,7 @@ def _mem_available_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def _dense(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, nbytes: int,
-           required: bool = True) -> DenseKVCache:
-    g = mm.Geometry.from_spec(spec, dtype)
-    num_blocks = nbytes // mm.dense_block_bytes(g, config.block_size)
-    if required and num_blocks < 1:
-        raise ValueError(f"gpu_cache_gib: {nbytes} bytes hold no KV block of "
-                         f"{mm.dense_block_bytes(g, config.block_size)} bytes")
+def _dense(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, num_blocks: int) -> DenseKVCache:
     return DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size, dtype,
                         device, spec.attention_scale, config.prefill_chunk_tokens)
 
@@ -65,20 +59,23 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
     budget = gpu_cache_bytes(config, spec, g, device)
     cfg = config.shadowkv
     if cfg is None:
-        return _dense(config, spec, dtype, device, budget)
+        pools = mm.plan_pools(g, None, budget, 0, config.max_num_seqs, config.block_size)
+        if pools.num_dense_blocks < 1:
+            raise ValueError(f"gpu_cache_gib: {budget} bytes hold no KV block of "
+                             f"{mm.dense_block_bytes(g, config.block_size)} bytes")
+        return _dense(config, spec, dtype, device, pools.num_dense_blocks)
     cfg.check_model(spec.num_kv_heads, spec.head_dim)
-    slots = config.max_num_seqs * mm.slot_bytes(g, cfg)
-    # Short sequences stay dense: their pool holds a full batch of them at min_context, at most a quarter.
-    dense_bytes = min((budget - slots) // 4, mm.dense_seq_bytes(g, cfg.min_context, config.block_size)
-                      * config.max_num_seqs)
-    num_gpu_pages = (budget - slots - dense_bytes) // mm.gpu_page_bytes(g, cfg)
-    if num_gpu_pages < 1:
-        raise ValueError(f"gpu_cache_gib: {budget} bytes cannot hold {config.max_num_seqs} ShadowKV slots of "
-                         f"{mm.slot_bytes(g, cfg)} bytes and any shadow page; lower max_num_seqs or raise the budget")
-    num_host_pages = host_cache_bytes(config, num_gpu_pages * mm.host_page_bytes(g, cfg)) // mm.host_page_bytes(g, cfg)
-    logger.info("ShadowKV pools: %d slots, %d GPU pages, %d host pages of %d tokens, dense %.2f GiB",
-                config.max_num_seqs, num_gpu_pages, num_host_pages, mm.page_tokens(cfg), dense_bytes / mm.GIB)
+    gpu_only = mm.plan_pools(g, cfg, budget, 0, config.max_num_seqs, config.block_size)
+    host = host_cache_bytes(config, gpu_only.num_gpu_pages * mm.host_page_bytes(g, cfg))
+    pools = mm.plan_pools(g, cfg, budget, host, config.max_num_seqs, config.block_size)
+    if pools.num_gpu_pages < 1 or pools.num_host_pages < 1:
+        raise ValueError(f"cache budget: {budget} GPU bytes and {host} host bytes hold {config.max_num_seqs} "
+                         f"ShadowKV slots ({mm.slot_bytes(g, cfg)} bytes each) and their dense blocks but no shadow "
+                         "page; lower max_num_seqs or raise gpu_cache_gib / host_cache_gib")
+    logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host pages of %d tokens",
+                pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
+                mm.page_tokens(cfg))
     return ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg,
-                         spec.attention_scale, rotary, dtype, device, config.max_num_seqs, num_gpu_pages,
-                         num_host_pages, _dense(config, spec, dtype, device, dense_bytes, required=False),
+                         spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
+                         pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
                          page_chunks=cfg.page_chunks, prefill_chunk_tokens=config.prefill_chunk_tokens)
