@@ -77,6 +77,9 @@ class KVCache(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Counters: sequences, bytes in use on GPU and host, and per-step figures where the cache has them."""
 
+    def close(self) -> None:
+        """Release what the garbage collector cannot (pinned host registrations); the cache is unusable after."""
+
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Exact attention of one sequence. q (n_q, Hq, d); k, v (n_k, Hkv, d) with Hq a multiple of Hkv (GQA).

@@ -183,6 +183,15 @@ def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, 
     return batch * need.gpu, batch * need.host
 
 
+def mem_available_bytes() -> int:
+    """The host's MemAvailable: what a replica's value store may draw on, less headroom (never MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
 def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int) -> int:
     """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer: the hidden states and q/k/v of the

@@ -37,16 +37,7 @@ def host_cache_bytes(config: EngineConfig, wanted: int) -> int:
         return int(config.host_cache_gib * mm.GIB)
     if torch.device(config.device).type != "cuda":
         return CPU_CACHE_BYTES
-    available = _mem_available_bytes()
-    return min(wanted, int(available * HOST_HEADROOM))
-
-
-def _mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    return min(wanted, int(mm.mem_available_bytes() * HOST_HEADROOM))
 
 
 def _dense(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, num_blocks: int) -> DenseKVCache:

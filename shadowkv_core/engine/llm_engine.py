@@ -153,6 +153,12 @@ class LLMEngine:
         """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
         return self.cache.footprint(prompt_len, max_tokens)
 
+    def close(self) -> None:
+        """Abort everything and release the caches (pinned host memory included)."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self.cache.close()
+
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 **self.cache.stats()}

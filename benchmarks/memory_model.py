@@ -1,0 +1,133 @@
+"""Memory model against measurement on the GPU: Llama-3.1-8B geometry (random weights), ShadowKV, contexts and
+batches up to the predicted maximum. For each, the engine is sized by the memory model for exactly that batch; the
+batch runs (prefill + a few decode steps), one more request is refused before any allocation, and peak GPU bytes
+(allocator peak + what the CUDA context holds outside it) and pinned host bytes are compared with the prediction.
+
+python benchmarks/memory_model.py --contexts 8192 32768 122880 --out memory_model.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from report import print_table, write_json
+from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core import memory_model as mm
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+
+def write_config(config: dict) -> str:
+    path = Path(tempfile.mkdtemp(prefix="geometry-"))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+TINY = {**LLAMA_31_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "torch_dtype": "float32"}
+TINY_SHADOWKV = ShadowKVConfig(rank=16, sparse_budget=128, outlier_chunks=4, min_context=256, decode_window=32)
+
+
+def non_torch_gpu_bytes() -> int:
+    """Device memory this process holds outside torch's allocator (CUDA context, cuBLAS workspaces, ...)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) - torch.cuda.memory_reserved()
+
+
+def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new: int, device: str) -> dict:
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = mm.Geometry.from_spec(_spec(model), dtype)
+    gpu_budget, host_budget = mm.pool_budget_for(g, cfg, batch, context, max_new)
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype).removeprefix("torch."),
+                                    load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
+                                    max_model_len=context + max_new, max_prefill_tokens=context,
+                                    gpu_cache_gib=gpu_budget / mm.GIB, host_cache_gib=host_budget / mm.GIB))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator().manual_seed(context + batch)
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
+    for i in range(batch + 1):
+        engine.add_request(f"r{i}", torch.randint(0, g.vocab_size, (context,), generator=gen).tolist(), params)
+    start, peak_host, refusals = time.perf_counter(), 0, []
+    while any(f"r{i}" in engine.requests for i in range(batch)):
+        engine.step()
+        peak_host = max(peak_host, engine.stats()["host_bytes_in_use"])
+        holding = [engine.requests.get(f"r{i}") for i in range(batch)]
+        if all(seq is not None and seq.status.value != "waiting" for seq in holding):  # the whole batch admitted
+            extra = engine.requests[f"r{batch}"]
+            refusals.append(extra.status.value == "waiting" and not engine.cache.can_allocate(context, max_new))
+    refused = bool(refusals) and all(refusals)
+    predicted_gpu = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens) + gpu_budget
+    row = {"device": torch.cuda.get_device_name() if cuda else "cpu", "context": context, "batch": batch,
+           "predicted_gpu_bytes": predicted_gpu, "predicted_host_bytes": host_budget, "measured_host_bytes": peak_host,
+           "weights_bytes": g.weight_bytes, "pools_gpu_bytes": gpu_budget, "extra_request_refused": refused,
+           "seconds": round(time.perf_counter() - start, 1), "host_ratio": peak_host / host_budget}
+    if cuda:
+        torch.cuda.synchronize()
+        row.update(measured_gpu_bytes=torch.cuda.max_memory_allocated() + non_torch_gpu_bytes(),
+                   allocator_peak_bytes=torch.cuda.max_memory_allocated(), non_torch_bytes=non_torch_gpu_bytes())
+        row["gpu_ratio"] = row["measured_gpu_bytes"] / predicted_gpu
+    engine.close()
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _spec(model: str):
+    from shadowkv_core.models.loader import read_config
+    from shadowkv_core.models.spec import ModelSpec
+
+    return ModelSpec.from_hf_config(read_config(Path(model)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 122880])
+    parser.add_argument("--batches", default="1,max", help="comma list of batch sizes; 'max' = predicted maximum")
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
+    parser.add_argument("--out", default="memory_model.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny geometry (a dry run of this script on CPU)")
+    args = parser.parse_args()
+    model = write_config(TINY if args.tiny else LLAMA_31_8B)
+    cuda = args.device == "cuda"
+    g = mm.Geometry.from_spec(_spec(model), torch.bfloat16 if cuda else torch.float32)
+    cfg = TINY_SHADOWKV if args.tiny else ShadowKVConfig()
+    total = torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB
+    host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
+    rows = []
+    for context in args.contexts:
+        best = mm.capacity(g, cfg, int(total * 0.9), host, [context], args.max_new_tokens)
+        for b in args.batches.split(","):
+            batch = best if b == "max" else min(int(b), best)
+            row = run_batch(model, cfg, context, batch, args.max_new_tokens, args.device)
+            row["predicted_max_batch"] = best
+            rows.append(row)
+            print_table([row], ["context", "batch", "gpu_ratio", "host_ratio", "extra_request_refused", "seconds"])
+    path = write_json(args.out, rows, gpu_total_bytes=total, host_budget_bytes=host)
+    print(f"wrote {path}")
+    print_table(rows, ["context", "batch", "predicted_max_batch", "predicted_gpu_bytes", "measured_gpu_bytes",
+                       "gpu_ratio", "predicted_host_bytes", "measured_host_bytes", "host_ratio",
+                       "extra_request_refused"])
+
+
+if __name__ == "__main__":
+    main()
