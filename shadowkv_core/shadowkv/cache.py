@@ -62,6 +62,7 @@ class ShadowKVCache(KVCache):
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
+        self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._split: tuple[AttentionMetadata, BatchSplit] | None = None
 
     # ---- allocation ----

@@ -27,6 +27,8 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     if st.num_shadow:
         landmarks = chunk_landmarks(k_rot[:middle], C)  # (n, Hkv, d)
         cache.gpu.write_landmarks(layer, st.gpu_table, 0, landmarks)
+        if cache.chunk_scorer is not None:
+            cache.chunk_scorer.prefill(layer, st, k_rot[:middle], C)
         cache.host.write(layer, st.host_table, 0, v[:middle])
         if st.num_outliers:
             store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)
@@ -79,7 +81,11 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     Hkv = landmarks.shape[1]
     excluded = torch.zeros(Hkv, st.num_shadow, dtype=torch.bool, device=landmarks.device)
     excluded.scatter_(1, slots.outlier_ids[s, layer, :, :st.num_outliers], True)  # (Hkv, n)
-    selected = select_chunks(landmark_scores(q, landmarks, excluded, cache.scale), k)  # (Hkv, k)
+    if cache.chunk_scorer is None:
+        scores = landmark_scores(q, landmarks, excluded, cache.scale)  # (Hkv, n)
+    else:
+        scores = cache.chunk_scorer.scores(layer, st, q, excluded, cache.scale)
+    selected = select_chunks(scores, k)  # (Hkv, k)
     resident, miss = assign_slots(slots.resident[s, layer], selected)  # (Hkv, K) each
     slots.resident[s, layer] = resident
     load_misses(cache, layer, st, resident, miss)
