@@ -39,12 +39,9 @@ class Sample:
     context: int  # prompt length in tokens, BOS and question included
     depth: float  # position of the (first) queried needle in the haystack, 0.0 (start) to 1.0 (end)
     prompt_ids: list[int]
-    answer: str  # expected completion; items separated by ", " (each scored on its own)
+    answer: str  # the expected completion (the training target)
+    items: tuple[str, ...]  # what the completion must contain, each scored on its own
     seed: int
-
-    @property
-    def answer_items(self) -> list[str]:
-        return self.answer.split(", ")
 
 
 # ---------------------------------------------------------------- corpus
@@ -121,38 +118,43 @@ def _needle(key: str, value: str) -> str:
     return f" The special magic number for {key} is: {value}. "
 
 
-def _task_parts(task: str, rng: random.Random) -> tuple[list[str], list[int], str, str]:
-    """(needles in haystack order, indices of the queried needles, question, answer)."""
-    if task == "niah_single":
-        key, value = _key(rng), _number(rng)
-        return [_needle(key, value)], [0], _ask([key]), value
-    if task == "niah_multikey":
-        keys, values = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
-        pick = rng.randrange(4)
-        return [_needle(k, v) for k, v in zip(keys, values)], [pick], _ask([keys[pick]]), values[pick]
+def _task_parts(task: str, rng: random.Random) -> tuple[list[str], list[int], str, str, tuple[str, ...]]:
+    """(needles, indices of the queried needles, question, answer, scored items). As in RULER, the question ends by
+    opening the answer's sentence, so the answer continues the needle's own words."""
+    if task in ("niah_single", "niah_multikey"):
+        count = 1 if task == "niah_single" else 4
+        keys, values = _distinct(rng, _key, count), _distinct(rng, _number, count)
+        pick = rng.randrange(count)
+        question = _ask("is the special magic number", keys[pick]) + f"number for {keys[pick]} is: "
+        return [_needle(k, v) for k, v in zip(keys, values)], [pick], question, values[pick], (values[pick],)
     if task == "niah_multivalue":
         key, values = _key(rng), _distinct(rng, _number, 4)
-        return [_needle(key, v) for v in values], [0], _ask([key], "are all the special magic numbers"), ", ".join(values)
+        question = _ask("are all the special magic numbers", key) + f"numbers for {key} are: "
+        return [_needle(key, v) for v in values], [0], question, ", ".join(values), tuple(values)
     if task == "niah_multiquery":
         keys, values = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
-        picks = sorted(rng.sample(range(4), 2))
-        answer = ", ".join(values[i] for i in picks)
-        return [_needle(k, v) for k, v in zip(keys, values)], picks, _ask([keys[i] for i in picks]), answer
+        first, second = sorted(rng.sample(range(4), 2))
+        question = (_ask("are the special magic numbers", f"{keys[first]} and {keys[second]}")
+                    + f"number for {keys[first]} is: ")
+        answer = f"{values[first]}. The special magic number for {keys[second]} is: {values[second]}"
+        return [_needle(k, v) for k, v in zip(keys, values)], [first, second], question, answer, \
+            (values[first], values[second])
     if task == "variable_tracking":
         return _variable_chain(rng)
     raise ValueError(f"unknown task {task!r}; known: {TASKS}")
 
 
-def _ask(keys: list[str], what: str = "is the special magic number") -> str:
-    return f"\nQuestion: What {what} for {' and '.join(keys)}?\nAnswer: "
+def _ask(what: str, keys: str) -> str:
+    return f"\nQuestion: What {what} for {keys}?\nAnswer: The special magic "
 
 
-def _variable_chain(rng: random.Random, hops: int = 4) -> tuple[list[str], list[int], str, str]:
+def _variable_chain(rng: random.Random, hops: int = 4) -> tuple[list[str], list[int], str, str, tuple[str, ...]]:
     names = _distinct(rng, lambda r: "".join(r.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)), hops)
     value = str(rng.randrange(10_000, 100_000))
     needles = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i]} = VAR {names[i - 1]}. " for i in range(1, hops)]
-    question = f"\nQuestion: Which variables are assigned the value {value}?\nAnswer: "
-    return needles, [0], question, ", ".join(names)
+    question = (f"\nQuestion: Which variables are assigned the value {value}?\n"
+                f"Answer: The variables assigned the value {value} are: ")
+    return needles, [0], question, ", ".join(names), tuple(names)
 
 
 # ---------------------------------------------------------------- assembly
@@ -162,7 +164,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None,
     """One sample of `task` whose prompt is exactly `context` tokens; `depth` places the first queried needle
     (None draws it). The other needles go to random depths."""
     rng = random.Random(f"{task}:{seed}")  # str seeds hash deterministically; tasks of one seed differ
-    needles, queried, question, answer = _task_parts(task, rng)
+    needles, queried, question, answer, items = _task_parts(task, rng)
     depths = [rng.random() for _ in needles]
     if depth is not None:
         depths[queried[0]] = depth
@@ -184,7 +186,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None,
     body = "".join(pieces) + haystack[cut:] + question
     ids = [BOS] + list(body.encode("ascii"))
     assert len(ids) == context, (len(ids), context)
-    return Sample(task, context, round(first_depth, 4), ids, answer, seed)
+    return Sample(task, context, round(first_depth, 4), ids, answer, items, seed)
 
 
 def _snap(haystack: str, at: int) -> int:
@@ -197,8 +199,7 @@ def _snap(haystack: str, at: int) -> int:
 
 def score(sample: Sample, completion: str) -> float:
     """0-100: the share of the answer's items found in the completion (RULER's string-match recall)."""
-    items = sample.answer_items
-    return 100.0 * sum(item in completion for item in items) / len(items)
+    return 100.0 * sum(item in completion for item in sample.items) / len(sample.items)
 
 
 def answer_ids(sample: Sample) -> list[int]:

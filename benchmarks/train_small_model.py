@@ -1,0 +1,228 @@
+"""Train the small long-context model this project ships (models/shadowkv-small), then score it densely.
+
+A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RMSNorm, SwiGLU) over the byte-level
+vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
+rows of plain text (language-model loss on every token) and of the synthetic tasks of benchmarks/longctx_data.py
+(language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Deterministic given --seed
+and the corpus file. Data come from the training split and training seeds; the closing evaluation (greedy,
+transformers, dense attention) from the held-out split and evaluation seeds.
+
+    python -m benchmarks.longctx_data --write-corpus .cache/corpus.txt
+    python -m benchmarks.train_small_model --corpus-file .cache/corpus.txt --out models/shadowkv-small
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.longctx_data import EOS, TASKS, TRAIN_SEED_BASE, answer_ids, make_sample, score, text_stream
+from shadowkv_core.tiny_model import save_byte_tokenizer
+
+# (row length in tokens, steps); every step holds --tokens-per-step tokens
+CURRICULUM = ((512, 2000), (1024, 1500), (2048, 1000), (4096, 800), (8192, 600), (16384, 600))
+ANSWER_SLOT = 80  # tokens kept free after a task prompt for its answer and EOS (longest answer: 67 + EOS)
+TEXT_SHARE = 0.25  # share of rows that are plain text
+LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
+EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+
+
+def model_config() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 262,
+        "hidden_size": 384, "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 257, "attention_bias": False, "mlp_bias": False,
+    }
+
+
+def build_model(seed: int, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{k: v for k, v in model_config().items() if k not in ("architectures", "torch_dtype")})
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(device)
+
+
+# ---------------------------------------------------------------- data
+
+def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None):
+    """(ids, lm_mask, answer_mask) of one task row; the masks mark the tokens whose prediction is scored."""
+    sample = make_sample(rng.choice(TASKS), length - ANSWER_SLOT, seed, split="train", corpus_file=corpus_file)
+    answer = answer_ids(sample)
+    prompt, pad = len(sample.prompt_ids), length - len(sample.prompt_ids) - len(answer)
+    ids = sample.prompt_ids + answer + [EOS] * pad
+    lm_mask = [True] * (prompt - 1) + [False] * (length - prompt + 1)  # position t predicts ids[t + 1]
+    answer_mask = [False] * (prompt - 1) + [True] * len(answer) + [False] * (pad + 1)
+    return ids, lm_mask, answer_mask
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item i is step i's rows, a function of (seed, i) alone, so loader workers build them in any order."""
+
+    def __init__(self, stages: list[tuple[int, int]], args):
+        self.lengths = [length for length, steps in stages for _ in range(steps)]
+        self.seed, self.tokens_per_step, self.corpus_file = args.seed, args.tokens_per_step, args.corpus_file
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, step: int):
+        """(ids (B, L) int64, lm_mask (B, L) bool, answer_mask (B, L) bool)."""
+        length = self.lengths[step]
+        rng = random.Random(f"batch:{self.seed}:{step}")
+        rows = []
+        for r in range(max(1, self.tokens_per_step // length)):
+            row_seed = TRAIN_SEED_BASE + self.seed * 10_000_000 + step * 1000 + r
+            if rng.random() < TEXT_SHARE:
+                ids = text_stream(row_seed, length, self.corpus_file)
+                rows.append((ids, [True] * (length - 1) + [False], [False] * length))
+            else:
+                rows.append(task_row(rng, length, row_seed, self.corpus_file))
+        return tuple(torch.tensor(column) for column in zip(*rows))
+
+
+def loss_fn(model, ids, lm_mask, answer_mask):
+    with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits  # (B, L, V)
+    targets = torch.roll(ids, -1, dims=1)
+    token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # fp32 CE
+    token_loss = token_loss.view_as(ids)
+    # masked means, not boolean indexing: no host sync, so the CPU builds the next batch while the GPU works
+    lm = (token_loss * lm_mask).sum() / lm_mask.sum().clamp(min=1)
+    answer = (token_loss * answer_mask).sum() / answer_mask.sum().clamp(min=1)
+    return LM_WEIGHT * lm + answer, lm.detach(), answer.detach()
+
+
+# ---------------------------------------------------------------- training
+
+def schedule(scale: float, max_context: int) -> list[tuple[int, int]]:
+    return [(length, max(1, round(steps * scale))) for length, steps in CURRICULUM if length <= max_context]
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, args, log) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=args.device == "cuda")
+    batches = StepBatches(schedule(args.step_scale, args.max_context), args)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers,
+                                         pin_memory=args.device == "cuda", prefetch_factor=4 if args.workers else None)
+    total, start = len(batches), time.time()
+    for step, tensors in enumerate(loader):
+        if time.time() - start > args.max_minutes * 60:
+            log(f"time limit reached at step {step}/{total}: stopped early")
+            return {"steps": step, "planned_steps": total, "seconds": time.time() - start}
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, total, args.lr)
+        loss, lm, answer = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == total - 1:
+            log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} lm {lm.item():.3f} "
+                f"answer {answer.item():.3f} {time.time() - start:6.1f}s")
+    return {"steps": total, "planned_steps": total, "seconds": time.time() - start}
+
+
+# ---------------------------------------------------------------- dense evaluation and saving
+
+@torch.no_grad()
+def dense_eval(model, contexts, samples: int, device: str) -> list[dict]:
+    """Greedy answers of the held-out samples (evaluation seeds 0..samples-1), one row per task and context."""
+    rows = []
+    for context in contexts:
+        for task in TASKS:
+            batch_samples = [make_sample(task, context, seed) for seed in range(samples)]
+            texts = []
+            per_batch = max(1, 65536 // context)
+            for i in range(0, samples, per_batch):
+                texts += greedy(model, [s.prompt_ids for s in batch_samples[i:i + per_batch]], device)
+            value = sum(score(s, t) for s, t in zip(batch_samples, texts)) / len(texts)
+            rows.append({"task": task, "context": context, "method": "dense", "budget": 1.0, "score": value,
+                         "samples": len(texts)})
+    return rows
+
+
+def greedy(model, prompts: list[list[int]], device: str) -> list[str]:
+    """Greedy completions of equal-length prompts (no padding, so SDPA stays causal without a mask)."""
+    ids = torch.tensor(prompts, device=device)
+    with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ANSWER_SLOT,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    return [bytes(t for t in row.tolist() if t < 256).decode("ascii", "replace") for row in out[:, ids.shape[1]:]]
+
+
+def save(model, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    save_byte_tokenizer(out)
+
+
+def model_card(command: str, info: dict, rows: list[dict]) -> str:
+    table = "\n".join(f"| {r['task']} | {r['context']} | {r['score']:.1f} | {r['samples']} |" for r in rows)
+    return f"""# shadowkv-small
+
+A {info['parameters'] / 1e6:.1f}M-parameter Llama-architecture decoder over bytes (vocab 262), trained from scratch by
+this project for retrieval over long contexts (up to 16K tokens) on licences, Debian copyright files and Python stdlib
+sources plus the synthetic tasks of `benchmarks/longctx_data.py`. It knows nothing else: use it to measure what a
+sparse KV cache keeps, not as an assistant. Weights in bfloat16.
+
+Trained with `{command}` ({info['steps']} of {info['planned_steps']} steps, {info['seconds']:.0f} s on {info['device']}).
+
+Dense greedy scores (0-100) on held-out text and evaluation seeds, transformers, bfloat16:
+
+| task | context | score | samples |
+|---|---|---|---|
+{table}
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="models/shadowkv-small")
+    parser.add_argument("--corpus-file", default=None, help="frozen haystack text (longctx_data --write-corpus)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--tokens-per-step", type=int, default=65536)
+    parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
+    parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
+    parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
+    parser.add_argument("--workers", type=int, default=6, help="data loader processes")
+    parser.add_argument("--eval-samples", type=int, default=20)
+    parser.add_argument("--eval-contexts", type=int, nargs="+", default=list(EVAL_CONTEXTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    command = "python -m benchmarks.train_small_model " + " ".join(sys.argv[1:])
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+    model = build_model(args.seed, args.device)
+    info = train(model, args, log)
+    info.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                parameters=sum(p.numel() for p in model.parameters()))
+    save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights
+    rows = dense_eval(model, args.eval_contexts, args.eval_samples, args.device)
+    (Path(args.out) / "README.md").write_text(model_card(command, info, rows))
+    (Path(args.out).parent / "train_eval.json").write_text(json.dumps({"command": command, **info, "rows": rows},
+                                                                      indent=1))
+    log(f"{'task':20s} " + " ".join(f"{c:>6d}" for c in args.eval_contexts))
+    for task in TASKS:
+        log(f"{task:20s} " + " ".join(f"{r['score']:6.1f}" for r in rows if r["task"] == task))
+
+
+if __name__ == "__main__":
+    main()
