@@ -5,7 +5,8 @@ Also: the value fetch (stream A) and key rebuild (stream B) alone and together, 
 attention path (scores, top-k, bookkeeping, fetch || rebuild, attention) times the model's layers, against the
 DESIGN.md performance model's floor for the same bytes (the model's weights and MLP left out on both sides).
 
-    PYTHONPATH=. python benchmarks/kernels.py [--out benchmarks/results/kernels.json]
+    PYTHONPATH=. python -m benchmarks.kernels [--out benchmarks/results/kernels.json]   (as a module: run as a
+    script, this file would shadow the kernels package)
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, random_misses, slot_ids_for
+from test_kernels_utils import (DEVICE, LLAMA, LLAMA3_SCALING, assert_close, page_tables, random_misses,
+                                rotary_for_tests, slot_ids_for)
 from kernels.rebuild_keys import rebuild_keys
 from shadowkv_core.shadowkv.batched_reference import rebuild_keys_batched
-
-rotary_mod = pytest.importorskip("shadowkv_core.models.rotary")
-
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
-
-
-def _rotary(head_dim, rotary_dim, interleaved, scaling, device):
-    spec = SimpleNamespace(rotary_dim=rotary_dim, rope_interleaved=interleaved,
-                           rope_type=(scaling or {}).get("rope_type", "default"), rope_scaling=scaling,
-                           rope_theta=500000.0, max_position_embeddings=131072)
-    return rotary_mod.RotaryEmbedding(spec, device)
 
 
 def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_dim=None, interleaved=False,
@@ -30,7 +17,7 @@ def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_di
     key_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
     slot_ids = slot_ids_for(B, N, g).to(device)
     miss_chunks, miss_slots, num_miss = (t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g))
-    rotary = _rotary(d, rotary_dim or d, interleaved, scaling, device)
+    rotary = rotary_for_tests(rotary_dim or d, interleaved, scaling, device)
     expected = rebuild_keys_batched(key_slots, u_pages, table.to(device), sv, rotary, miss_chunks, miss_slots,
                                     num_miss, slot_ids, C)
     got = key_slots.clone()

@@ -5,6 +5,7 @@ Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set be
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 # Llama-3.1-8B geometry, the issue's real sizes.
 LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, rank=160, chunk_size=8, budget_chunks=256, outliers=48)
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def rotary_for_tests(rotary_dim: int, interleaved: bool = False, scaling: dict | None = None, device=DEVICE):
+    """The model's RotaryEmbedding from the few spec fields it reads."""
+    from shadowkv_core.models.rotary import RotaryEmbedding
+    spec = SimpleNamespace(rotary_dim=rotary_dim, rope_interleaved=interleaved,
+                           rope_type=(scaling or {}).get("rope_type", "default"), rope_scaling=scaling,
+                           rope_theta=500000.0, max_position_embeddings=131072)
+    return RotaryEmbedding(spec, device)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str,

@@ -1,0 +1,134 @@
+"""The Triton fast path of a decode step, for all of a batch's shadow sequences at once: layer.decode_layer's steps in
+the same order and with the same results, as kernels (kernels/), with the value fetch and the key rebuild on two
+streams joined by events, and no host sync inside a layer or between layers.
+
+The cache builds a DecodePlan once per decode forward (the per-sequence bookkeeping copied to the device once, shared
+by every layer) and calls `decode_layer_fast` per layer instead of `decode_layer` per sequence.
+RoPE frequencies are taken per sequence at its prompt length (exact for every rope type whose frequencies do not
+depend on the sequence length, and for longrope once the prompt is past the original context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.assign_slots import assign_slots
+from kernels.decode_attention import decode_attention
+from kernels.fetch_values import fetch_values
+from kernels.landmark_scores import landmark_scores
+from kernels.rebuild_keys import rebuild_keys
+from shadowkv_core.shadowkv.slots import SequenceState
+
+
+@dataclass
+class DecodePlan:
+    """Device copies of the batch's bookkeeping; B sequences in batch order."""
+
+    slot_ids: torch.Tensor  # (B,) int32
+    gpu_table: torch.Tensor  # (B, max_pages) int32
+    host_table: torch.Tensor  # (B, max_pages) int32, host page ids (read on the GPU)
+    num_chunks: torch.Tensor  # (B,) int32 shadow chunks
+    num_outliers: torch.Tensor  # (B,) int32
+    num_selected: torch.Tensor  # (B,) int32 chunks selected = min(budget, shadow - outliers)
+    lens: list[torch.Tensor]  # (B,) int32 keys attended per segment: outliers, selected, window (+ the new token)
+    token_page: torch.Tensor  # (B,) int64 GPU page and row of the new token's U row
+    token_row: torch.Tensor
+    window_pos: torch.Tensor  # (B,) int64 the new token's place in the window
+    inv_freq: torch.Tensor  # (B, rotary_dim/2) fp32
+    n_max: int  # compile-time buckets (powers of two): chunks, selected chunks, keys
+    k_max: int
+    max_len: int
+    streams: tuple | None  # (value fetch, key rebuild) on CUDA
+    misses: torch.Tensor  # () int64 chunks fetched this forward, summed over layers (read once, after the step)
+
+    @staticmethod
+    def build(cache, states: list[SequenceState]) -> DecodePlan:
+        dev, C, budget = cache.device, cache.config.chunk_size, cache.config.budget_chunks
+        pages = max(len(st.gpu_pages) for st in states)
+
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        def table(page_lists):
+            return ints([p + [0] * (pages - len(p)) for p in page_lists])
+
+        selected = [max(min(budget, st.num_shadow - st.num_outliers), 0) for st in states]
+        window = [st.window_len + 1 for st in states]
+        page_tokens = cache.gpu.page_tokens
+        rows = [st.seq_len for st in states]
+        rotary = cache.rotary
+        prompt_lens = torch.tensor([st.prompt_len for st in states], device=dev)
+        inv_freq = rotary._inv_freq(prompt_lens - 1, prompt_lens if rotary.uses_seq_lens else None).float()
+        streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) if dev.type == "cuda" else None
+        max_keys = max(st.num_outliers * C + k * C + w for st, k, w in zip(states, selected, window))
+        return DecodePlan(
+            slot_ids=ints([st.slot for st in states]), gpu_table=table([st.gpu_pages for st in states]),
+            host_table=table([st.host_pages for st in states]),
+            num_chunks=ints([st.num_shadow for st in states]),
+            num_outliers=ints([st.num_outliers for st in states]), num_selected=ints(selected),
+            lens=[ints([st.num_outliers * C for st in states]), ints([k * C for k in selected]), ints(window)],
+            token_page=ints([st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)], torch.int64),
+            token_row=ints([r % page_tokens for r in rows], torch.int64),
+            window_pos=ints([st.window_len for st in states], torch.int64),
+            inv_freq=inv_freq.expand(len(states), -1).contiguous(),
+            n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
+            k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=streams,
+            misses=torch.zeros((), dtype=torch.int64, device=dev))
+
+
+def decode_layer_fast(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, d); k_pre, k_rot, v (B, Hkv, d) of the batch's new tokens -> attention output (B, Hq, d)."""
+    slots, slot = cache.slots, plan.slot_ids.long()
+    append_token(cache, layer, plan, slot, k_pre, k_rot, v)
+    if plan.k_max > 0:
+        select_and_load(cache, layer, plan, q)
+    segments = [(slots.outlier_k[:, layer], slots.outlier_v[:, layer], plan.lens[0]),
+                (slots.sparse_k[:, layer], slots.sparse_v[:, layer], plan.lens[1]),
+                (slots.window_k[:, layer].transpose(1, 2), slots.window_v[:, layer].transpose(1, 2), plan.lens[2])]
+    # The selected chunks occupy a prefix of the sparse slots: the budget per sequence never shrinks, and misses
+    # fill the first free slots in order (reference.assign_slots).
+    return decode_attention(q, segments, plan.slot_ids, cache.scale, plan.max_len)
+
+
+def append_token(cache, layer, plan, slot, k_pre, k_rot, v) -> None:
+    """The new token, exact: its U row on the sequence's basis, and its key and value in the window."""
+    sv = cache.slots.sv[slot, layer]  # (B, Hkv, r, d)
+    u = torch.einsum("bhd,bhrd->br", k_pre.float(), sv.float())  # reference.project_keys, batched
+    cache.gpu.u[layer, plan.token_page, plan.token_row] = u.to(cache.gpu.u.dtype)
+    cache.slots.window_k[slot, layer, plan.window_pos] = k_rot
+    cache.slots.window_v[slot, layer, plan.window_pos] = v
+
+
+def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> None:
+    """Score, pick the top-k chunks, update the resident chunks, then fetch values (stream A) and rebuild keys
+    (stream B) of the misses; the current stream waits for both."""
+    slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
+    scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
+                             slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max, cache.scale)
+    selected = scores.topk(plan.k_max, dim=-1).indices  # (B, Hkv, k_max), by score as reference.select_chunks
+    misses = assign_slots(slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected)
+    plan.misses += misses[2].sum()
+    on_two_streams(plan.streams, lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses,
+                                                      plan.slot_ids, slots.sparse_v[:, layer], C),
+                   lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer], plan.inv_freq,
+                                        rotary.attention_factor, rotary.interleaved, *misses, plan.slot_ids,
+                                        slots.sparse_k[:, layer], C))
+
+
+def on_two_streams(streams: tuple | None, first, second) -> None:
+    """first() on streams[0] and second() on streams[1], both after what the current stream has queued; the current
+    stream then waits for both (events: no host sync). Without streams (CPU), one after the other."""
+    if streams is None:
+        first()
+        second()
+        return
+    main = torch.cuda.current_stream()
+    for stream, work in zip(streams, (first, second)):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            work()
+    for stream in streams:
+        main.wait_stream(stream)

@@ -1,0 +1,65 @@
+"""The fast decode path (shadowkv/fast_decode.py, all kernels, two streams) against the reference decode path
+(layer.decode_layer per sequence) on two caches holding the same prefill: same outputs, same resident chunks,
+through steps that hit, miss and fold the window."""
+import pytest
+import torch
+
+from test_kernels_utils import DEVICE, LLAMA3_SCALING, assert_close, rotary_for_tests
+from shadowkv_core.attention import AttentionMetadata
+from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast
+
+L, HQ, HKV, D = 2, 8, 2, 32
+SCALE = D ** -0.5
+
+
+def _cache(config, rotary, dtype, device):
+    dense = DenseKVCache(L, HKV, D, num_blocks=8, block_size=16, dtype=dtype, device=device, scale=SCALE)
+    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=64,
+                         num_host_pages=64, dense=dense, page_chunks=4)
+
+
+def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)]).to(device)
+    meta = AttentionMetadata(is_prefill, list(range(len(lens))), lens, ctx, positions)
+    outs = []
+    for layer in range(L):
+        q, k_pre, v = (torch.randn(len(positions), h, D, device=device).to(dtype) for h in (HQ, HKV, HKV))
+        q, k_rot = rotary.apply(q, positions), rotary.apply(k_pre, positions)
+        ref = caches[0].attend(layer, q, k_pre, k_rot, v, meta)
+        if is_prefill:
+            caches[1].attend(layer, q, k_pre, k_rot, v, meta)
+            continue
+        if layer == 0:
+            plan = DecodePlan.build(caches[1], [caches[1].seqs[i] for i in meta.seq_ids])
+        outs.append((ref, decode_layer_fast(caches[1], layer, plan, q, k_pre, k_rot, v)))
+    for cache in caches:
+        cache.finish_forward(meta)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_fast_decode_equals_reference(dtype, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
+    config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
+                            min_context=0, decode_window=8)
+    rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
+    caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
+    for cache in caches:
+        for i, n in enumerate(prompt_lens):
+            cache.allocate(i, n, steps + 1)
+    torch.manual_seed(0)
+    _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
+    for step in range(steps):
+        ctx = [n + step for n in prompt_lens]
+        for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)):
+            assert_close(got, ref, dtype, f"step {step} layer {layer} attention output")
+        assert torch.equal(caches[0].slots.resident, caches[1].slots.resident), f"step {step}: resident chunks"
+    for cache in caches:
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_fast_decode_equals_reference_gpu_bf16():
+    test_fast_decode_equals_reference(torch.bfloat16, device="cuda", prompt_lens=(1500, 611, 977, 2048), steps=20)
