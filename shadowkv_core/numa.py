@@ -33,13 +33,26 @@ def node_cpus(sysfs: Path = Path("/sys")) -> dict[int, list[int]]:
     return nodes
 
 
-def _nvml_numa_node(device_index: int) -> int | None:
+def cuda_pci_bus_id(device_index: int) -> str | None:
+    """PCI address (domain:bus:device.function) of a CUDA device as this process numbers it; unlike the index, it
+    names the same GPU to NVML and sysfs whatever CUDA_VISIBLE_DEVICES says."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    if not hasattr(props, "pci_bus_id"):
+        return None
+    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
+def _nvml_numa_node(device_index: int, pci_bus_id: str | None) -> int | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            node = pynvml.nvmlDeviceGetNumaNodeId(pynvml.nvmlDeviceGetHandleByIndex(device_index))
+            handle = (pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id) if pci_bus_id
+                      else pynvml.nvmlDeviceGetHandleByIndex(device_index))
+            node = pynvml.nvmlDeviceGetNumaNodeId(handle)
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # NVML absent, no driver, or a driver too old for the call: sysfs decides
@@ -60,7 +73,7 @@ def _sysfs_numa_node(pci_bus_id: str | None, sysfs: Path) -> int | None:
 def gpu_numa_node(device_index: int, pci_bus_id: str | None = None, sysfs: Path = Path("/sys"),
                   use_nvml: bool = True) -> int | None:
     """NUMA node of a GPU: NVML's answer, else the PCI device's numa_node in sysfs; None if neither knows."""
-    node = _nvml_numa_node(device_index) if use_nvml else None
+    node = _nvml_numa_node(device_index, pci_bus_id) if use_nvml else None
     return node if node is not None else _sysfs_numa_node(pci_bus_id, sysfs)
 
 
@@ -112,3 +125,11 @@ def placement_for_gpu(device_index: int, pci_bus_id: str | None = None, sysfs: P
     logger.info("NUMA: GPU %d is on node %d; host values and threads go to CPUs %s", device_index, node,
                 nodes[node])
     return NumaPlacement(node, tuple(nodes[node]))
+
+
+def placement_for_cuda_device(device) -> NumaPlacement:
+    """Placement of a torch CUDA device (as this process numbers it)."""
+    import torch
+
+    index = torch.device(device).index or 0
+    return placement_for_gpu(index, cuda_pci_bus_id(index))

@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+import torch
 
 from shadowkv_core.numa import NumaPlacement, load_libnuma, node_cpus, parse_cpulist, placement_for_gpu
 
@@ -66,7 +67,20 @@ def test_this_machine_reads_its_real_topology():
     assert nodes and all(cpus for cpus in nodes.values())
     lib = load_libnuma()
     if lib is not None:  # a real bind on this host's node 0 is harmless
-        import torch
-
         region = torch.empty(1 << 20, dtype=torch.uint8)
         assert NumaPlacement(0, tuple(nodes[0])).bind_memory(region.data_ptr(), region.numel(), lib)
+
+
+def test_host_value_store_binds_its_region_to_the_placement_node(tmp_path, monkeypatch):
+    import shadowkv_core.shadowkv.host_store as host_store
+    from shadowkv_core.shadowkv.host_store import HostValueStore
+
+    lib = RecordingLibnuma()
+    monkeypatch.setattr(host_store, "load_libnuma", lambda: lib)
+    placement = placement_for_gpu(0, BUS_ID, fake_sysfs(tmp_path, {0: "0-15", 1: "16-31"}, gpu_node=1),
+                                  use_nvml=False)
+    store = HostValueStore(2, 4, 8, 2, 4, torch.float32, pin=False, placement=placement)
+    (ptr, nbytes, node), = lib.calls
+    assert node == 1 and store.numa_bound
+    assert ptr <= store.values.data_ptr() and store.values.data_ptr() + store.values.nbytes <= ptr + nbytes
+    assert ptr % 4096 == 0 and nbytes % 4096 == 0

@@ -10,6 +10,7 @@ from .. import memory_model as mm
 from ..attention import KVCache
 from ..config import EngineConfig
 from ..dense_cache import DenseKVCache
+from ..numa import placement_for_cuda_device
 from ..shadowkv.cache import ShadowKVCache
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,15 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
         raise ValueError(f"cache budget: {budget} GPU bytes and {host} host bytes hold {config.max_num_seqs} "
                          f"ShadowKV slots ({mm.slot_bytes(g, cfg)} bytes each) and their dense blocks but no shadow "
                          "page; lower max_num_seqs or raise gpu_cache_gib / host_cache_gib")
+    placement = None
+    if device.type == "cuda":  # the value shard and this replica's threads go to the GPU's NUMA node
+        placement = placement_for_cuda_device(device)
+        placement.pin_threads()
     logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host pages of %d tokens",
                 pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
                 mm.page_tokens(cfg))
     return ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg,
                          spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
                          pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
-                         page_chunks=cfg.page_chunks, prefill_chunk_tokens=config.prefill_chunk_tokens)
+                         page_chunks=cfg.page_chunks, prefill_chunk_tokens=config.prefill_chunk_tokens,
+                         placement=placement)

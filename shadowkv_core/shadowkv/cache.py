@@ -47,7 +47,7 @@ class ShadowKVCache(KVCache):
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
                  num_gpu_pages: int, num_host_pages: int, dense: KVCache, page_chunks: int = 16,
-                 prefill_chunk_tokens: int = 8192):
+                 prefill_chunk_tokens: int = 8192, placement=None):
         config.check_model(num_kv_heads, head_dim)
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -58,7 +58,7 @@ class ShadowKVCache(KVCache):
         self.gpu = GpuPages(num_layers, num_gpu_pages, page_chunks, config.chunk_size, config.rank, num_kv_heads,
                             head_dim, dtype, device)
         self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
-                                   pin=self.device.type == "cuda")
+                                   pin=self.device.type == "cuda", placement=placement)
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from shadowkv_core.dense_cache import BlockAllocator
+from shadowkv_core.numa import NumaPlacement, load_libnuma
 from shadowkv_core.shadowkv.pages import locate
 from shadowkv_core.shadowkv.reference import gather_values
 
@@ -20,24 +21,29 @@ OS_PAGE = 4096
 
 class HostValueStore:
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool | None = None):
+                 dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None):
         self.page_tokens = page_tokens
         self.shape = (num_layers, num_pages, page_tokens, num_kv_heads, head_dim)
         self.dtype = dtype
         self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.placement = placement
+        self.numa_bound = False
         self.values = self._allocate_region()  # (L, num_pages, page_tokens, Hkv, d)
         self.pages = BlockAllocator(num_pages)
 
     def _allocate_region(self) -> torch.Tensor:
-        """The one host allocation of the store (NUMA binding goes here). Pinned regions start and end on OS page
-        boundaries: cudaHostRegister refuses a range that shares a page with one registered before."""
+        """The one host allocation of the store, bound to the GPU's NUMA node before anything touches it. Pinned
+        regions start and end on OS page boundaries: cudaHostRegister refuses a range that shares a page with one
+        registered before."""
         nbytes = math.prod(self.shape) * self.dtype.itemsize
-        if not self.pinned:
-            return torch.empty(self.shape, dtype=self.dtype)
         span = -(-nbytes // OS_PAGE) * OS_PAGE
-        raw = torch.empty(span + OS_PAGE, dtype=torch.uint8)
+        raw = torch.empty(span + OS_PAGE, dtype=torch.uint8)  # not yet touched: no physical page placed
         start = -raw.data_ptr() % OS_PAGE
         region = raw[start:start + span]
+        if self.placement is not None:
+            self.numa_bound = self.placement.bind_memory(region.data_ptr(), span, load_libnuma())
+        if not self.pinned:
+            return region[:nbytes].view(self.dtype).view(self.shape)
         err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
