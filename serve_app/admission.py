@@ -1,4 +1,4 @@
-"""Admission control: a linear upper bound of the engine's memory model, the capacity board that the ingress and the
+"""Admission control: the memory model's bytes per request, the capacity board that the ingress and the
 request router share (replicas' reported free bytes and slots, minus this process's own reservations since the last
 report), and the bounded-wait admission gate in front of it.
 
@@ -11,58 +11,24 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field
 
 from serve_app.errors import OpenAIError, over_capacity
-
-Footprint = Callable[[int, int], tuple[int, int]]
-
+from shadowkv_core import ShadowKVConfig
+from shadowkv_core import memory_model as mm
 
 @dataclass(frozen=True)
-class FootprintModel:
-    """bytes(prompt_len, max_tokens) = base + per_prompt_token * prompt_len + per_new_token * max_tokens, for GPU and
-    host, fitted to the engine's `footprint` and lifted so that it is never below it at the probed lengths."""
+class Footprint:
+    """The engine's memory model for one request: (GPU bytes, host bytes) a sequence of `prompt_len` prompt tokens
+    and up to `max_tokens` generated ones holds; the same function the engine's cache sizes its reservations by."""
 
-    gpu: tuple[float, float, float]
-    host: tuple[float, float, float]
-
-    @classmethod
-    def fit(cls, footprint: Footprint, max_model_len: int) -> "FootprintModel":
-        long = max(2, max_model_len // 2)
-        at_1_1, at_long_1, at_1_long = footprint(1, 1), footprint(long, 1), footprint(1, long)
-        probes = [(p, m) for p in _lengths(max_model_len) for m in (1, 16, 256) if p + m <= max_model_len]
-        observed = [(p, m, footprint(p, m)) for p, m in probes]
-        return cls(*(_fit_one(i, at_1_1, at_long_1, at_1_long, long, observed) for i in (0, 1)))
+    geometry: mm.Geometry
+    shadowkv: ShadowKVConfig | None
+    block_size: int
 
     def predict(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
-        return _eval(self.gpu, prompt_len, max_tokens), _eval(self.host, prompt_len, max_tokens)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "FootprintModel":
-        return cls(gpu=tuple(d["gpu"]), host=tuple(d["host"]))
-
-
-def _lengths(max_model_len: int) -> list[int]:
-    """64 consecutive lengths (page rounding repeats with the page size, up to 64 tokens) and a few long ones."""
-    longer = (500, 4096, max_model_len // 3, max_model_len - 256)
-    return sorted({n for n in (*range(1, 65), *longer) if 1 <= n < max_model_len})
-
-
-def _fit_one(i: int, at_1_1, at_long_1, at_1_long, long: int, observed) -> tuple[float, float, float]:
-    per_prompt = (at_long_1[i] - at_1_1[i]) / (long - 1)
-    per_new = (at_1_long[i] - at_1_1[i]) / (long - 1)
-    base = at_1_1[i] - per_prompt - per_new
-    shortfall = max((fp[i] - _eval((base, per_prompt, per_new), p, m) for p, m, fp in observed), default=0)
-    return base + max(0, shortfall), per_prompt, per_new
-
-
-def _eval(coeffs: tuple[float, float, float], prompt_len: int, max_tokens: int) -> int:
-    base, per_prompt, per_new = coeffs
-    return int(base + per_prompt * prompt_len + per_new * max_tokens + 0.999)
+        need = mm.seq_bytes(self.geometry, self.shadowkv, prompt_len, max_tokens, self.block_size)
+        return need.gpu, need.host
 
 
 @dataclass

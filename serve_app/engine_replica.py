@@ -18,14 +18,21 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.admission import FootprintModel
+from serve_app.admission import Footprint
 from serve_app.replica_stream import RequestStream, error_event
 from serve_app.router import MemoryAwareRouter
 from shadowkv_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from shadowkv_core import memory_model as mm
 
 logger = logging.getLogger("ray.serve")
 ROUTING_STATS_PERIOD_S = 0.5
 UNHEALTHY_AFTER_S = 120.0  # a step that takes this long means a stuck engine
+
+
+def engine_footprint(engine: LLMEngine) -> Footprint:
+    """The memory model for this engine's model, dtype and cache configuration."""
+    dtype = next(engine.model.parameters()).dtype
+    return Footprint(mm.Geometry.from_spec(engine.spec, dtype), engine.config.shadowkv, engine.config.block_size)
 
 
 @dataclass
@@ -55,7 +62,7 @@ class EngineReplica:
         self.engine = LLMEngine(EngineConfig(**engine_config))
         self.served_model_name = served_model_name
         self.max_num_seqs = self.engine.config.max_num_seqs
-        self.footprint_model = FootprintModel.fit(self.engine.footprint, self.engine.max_model_len)
+        self.footprint = engine_footprint(self.engine)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._held: dict[str, _Held] = {}
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
@@ -70,7 +77,7 @@ class EngineReplica:
     # ---- what the ingress calls ------------------------------------------------------------------------------
     def model_info(self) -> dict:
         return {"model": self.served_model_name, "max_model_len": self.engine.max_model_len,
-                "tokenizer": self.engine.tokenizer, "footprint": self.footprint_model.to_dict()}
+                "tokenizer": self.engine.tokenizer, "footprint": self.footprint}
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream one request's events; `request` holds request_id, prompt_token_ids, params, gpu_bytes,

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.admission import AdmissionGate, FootprintModel, board_for
+from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.errors import OpenAIError, install_error_handlers, not_ready
 from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import prepare
@@ -41,7 +41,7 @@ class Ingress:
         self.default_max_tokens = default_max_tokens
         self.metrics = ServiceMetrics()
         self.info: dict | None = None
-        self.footprint: FootprintModel | None = None
+        self.footprint: Footprint | None = None
         self._info_task: asyncio.Task | None = None
 
     # ---- routes ----------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class Ingress:
         except Exception:
             logger.exception("could not get the model's info from an engine replica")
             return
-        self.footprint = FootprintModel.from_dict(info["footprint"])
+        self.footprint = info["footprint"]
         self.info = info
 
     def _check_model(self, model: str) -> None:

@@ -1,5 +1,5 @@
 """The service end to end on a real local Ray Serve instance (CPU, loopback, a tiny random model): the official
-OpenAI client, greedy equality with `LLM.generate`, errors in OpenAI's shape, overload, client disconnect."""
+OpenAI client, greedy equality with `LLM.generate` (dense and ShadowKV), errors in OpenAI's shape, overload, client disconnect."""
 import asyncio
 import json
 import socket
@@ -12,13 +12,15 @@ import ray
 from ray import serve
 
 from serve_app.app import build_app
-from shadowkv_core import LLM, SamplingParams
+from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
 
 APP = "shadowkv"
 MODEL = "tiny"
 SLOTS = 2
 PROMPT = "The quick brown fox jumps over"
+LONG_PROMPT = "In the beginning there was a haystack. " * 8  # ~310 tokens: past min_context, so ShadowKV
+SHADOWKV = {"rank": 16, "sparse_budget": 64, "outlier_chunks": 2, "min_context": 256, "decode_window": 64}
 
 
 def _free_port() -> int:
@@ -47,7 +49,7 @@ def url(model_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": model_path, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
-            "max_waiting": 0, "engine": {"gpu_cache_gib": 0.05}}
+            "max_waiting": 0, "shadowkv": SHADOWKV, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     _wait_healthy(base)
@@ -63,7 +65,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    return LLM(model=model_path, device="cpu")
+    return LLM(model=model_path, device="cpu", shadowkv=ShadowKVConfig(**SHADOWKV), max_model_len=2048)
 
 
 def _engine_stats() -> dict:
@@ -83,6 +85,15 @@ def test_completion_equals_llm_generate(client, llm):
     assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert got.usage.completion_tokens == len(expected.token_ids)
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_long_prompt_through_shadowkv_equals_llm_generate(client, llm):
+    prompt = "In the beginning there was a haystack. " * 20  # ~800 tokens: past min_context, so ShadowKV
+    expected = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert len(expected.prompt_token_ids) >= SHADOWKV["min_context"]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert got.choices[0].text == expected.text
+    assert got.usage.completion_tokens == len(expected.token_ids)
 
 
 def test_streaming_completion_with_usage(client, llm):
@@ -165,7 +176,7 @@ async def _timed_post(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Respon
 
 
 def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -186,12 +197,13 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
 
 
 def test_client_disconnect_frees_resources_within_one_second(url):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         chunks = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
         assert [next(chunks)["choices"][0]["finish_reason"] for _ in range(3)] == [None] * 3
-        assert _engine_stats()["num_running"] == 1
+        stats = _engine_stats()
+        assert stats["num_running"] == 1 and stats["host_bytes_in_use"] > 0  # its values are in host pages
     dropped = time.monotonic()
     _assert_engine_drains(within_s=1.0)
     assert time.monotonic() - dropped < 1.0

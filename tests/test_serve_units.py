@@ -1,4 +1,4 @@
-"""serve_app's plain-Python parts, without Ray: schemas, errors, SSE, footprint fit, capacity board, admission gate,
+"""serve_app's plain-Python parts, without Ray: schemas, errors, SSE, footprint, capacity board, admission gate,
 metrics, autoscaling arithmetic."""
 import asyncio
 import json
@@ -7,14 +7,22 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from serve_app.admission import AdmissionGate, CapacityBoard, FootprintModel
+from serve_app.admission import AdmissionGate, CapacityBoard
 from serve_app.autoscaling import desired_replicas
+from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
+from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
+from shadowkv_core.tiny_model import build_tiny_model
 
 GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 def _report(free_gpu, free_host=0, slots=4, ids=(), total_gpu=4 * GIB, total_host=0):
@@ -80,18 +88,15 @@ def test_collect_builds_one_body_with_usage():
     assert body.choices[0].text == "xyz" and body.usage.completion_tokens == 3 and body.usage.prompt_tokens == 3
 
 
-def test_footprint_fit_never_under_predicts_a_paged_cache():
-    page_tokens, page_bytes = 16, 4096
-
-    def paged(prompt_len, max_tokens):  # like a paged cache: whole pages of prompt + generation
-        return -(-(prompt_len + max_tokens) // page_tokens) * page_bytes, 0
-
-    model = FootprintModel.fit(paged, 8192)
-    for p in range(1, 2000, 7):
-        for m in (1, 5, 33, 300):
-            predicted, actual = model.predict(p, m)[0], paged(p, m)[0]
-            assert actual <= predicted <= actual + 2 * page_bytes
-    assert FootprintModel.from_dict(model.to_dict()) == model
+@pytest.mark.parametrize("shadowkv", [None, ShadowKVConfig(rank=16, sparse_budget=64, outlier_chunks=2,
+                                                           min_context=256, decode_window=64)])
+def test_footprint_is_exactly_what_the_engine_reserves(tiny_model, shadowkv):
+    engine = LLMEngine(EngineConfig(model=tiny_model, shadowkv=shadowkv, max_model_len=4096, gpu_cache_gib=0.02,
+                                    host_cache_gib=0.02))
+    footprint = engine_footprint(engine)
+    for prompt_len in (1, 15, 16, 17, 255, 256, 1000, 3000):
+        for max_tokens in (1, 16, 100):
+            assert footprint.predict(prompt_len, max_tokens) == engine.footprint(prompt_len, max_tokens)
 
 
 def test_board_places_best_fit_and_tracks_reservations_between_reports():
