@@ -45,13 +45,13 @@ def _fetch_values_kernel(host_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, n
 
 def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
                  miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor, value_slots: torch.Tensor,
-                 chunk_size: int, misses_per_program: int = 2) -> None:
+                 chunk_size: int, misses_per_program: int = 4) -> None:
     P, page_tokens, Hkv, d = host_values.shape
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
     assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == miss_slots.shape == (B, Hkv, K)
-    assert host_values.device.type == "cpu" and (value_slots.device.type == "cpu" or host_values.is_pinned()), \
-        "host values must be a pinned host tensor (zero-copy read)"
+    # On CUDA the host tensor must be pinned or cudaHostRegister-ed: Triton's launcher refuses any other host pointer.
+    assert host_values.device.type == "cpu", "host values are read in place from host memory (zero-copy)"
     assert host_values.dtype == value_slots.dtype and d == triton.next_power_of_2(d)
     assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
     assert value_slots.stride(3) == 1 and value_slots.stride(2) == d

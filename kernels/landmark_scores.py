@@ -83,7 +83,7 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, stride_lb, st
 
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor,
                     outlier_ids: torch.Tensor, slot_ids: torch.Tensor, num_outliers: torch.Tensor, n_max: int,
-                    scale: float, block_n: int = 64) -> torch.Tensor:
+                    scale: float, block_n: int = 128) -> torch.Tensor:
     """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size)."""
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
@@ -99,17 +99,18 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
     part_m = torch.empty(B, Hq, num_blocks, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     scores = torch.empty(B, Hkv, n_max, dtype=torch.float32, device=q.device)
-    grid = (num_blocks, Hkv, B)
     group_pad = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows
-    _logits_kernel[grid](
+    _logits_kernel[(num_blocks, Hkv, B)](
         q, landmarks, page_table, num_chunks, outlier_ids, slot_ids, num_outliers, logits, part_m, part_l, scale,
         q.stride(0), landmarks.stride(0), landmarks.stride(1), page_table.stride(0), outlier_ids.stride(0),
         outlier_ids.stride(1), logits.stride(0), part_m.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
         PAGE_CHUNKS=page_chunks, OUTLIERS_PAD=max(16, triton.next_power_of_2(outlier_ids.shape[2])),
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
-    _scores_kernel[grid](
+    # Wider blocks here: each program first combines the partials of all blocks of its (sequence, KV head).
+    score_block = min(1024, triton.next_power_of_2(n_max))
+    _scores_kernel[(triton.cdiv(n_max, score_block), Hkv, B)](
         logits, part_m, part_l, scores, logits.stride(0), part_m.stride(0), scores.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, BLOCKS_PAD=triton.next_power_of_2(num_blocks), GROUP=G,
-        GROUP_PAD=triton.next_power_of_2(G), BLOCK_N=block_n, num_warps=4)
+        GROUP_PAD=triton.next_power_of_2(G), BLOCK_N=score_block, num_warps=4)
     return scores

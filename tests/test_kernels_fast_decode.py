@@ -17,8 +17,8 @@ SCALE = D ** -0.5
 
 def _cache(config, rotary, dtype, device):
     dense = DenseKVCache(L, HKV, D, num_blocks=8, block_size=16, dtype=dtype, device=device, scale=SCALE)
-    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=64,
-                         num_host_pages=64, dense=dense, page_chunks=4)
+    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=512,
+                         num_host_pages=512, dense=dense, page_chunks=4)
 
 
 def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):

@@ -1,5 +1,5 @@
 """The Triton fast path of a decode step, for all of a batch's shadow sequences at once: layer.decode_layer's steps in
-the same order and with the same results, as kernels (kernels/), with the value fetch and the key rebuild on two
+the same order and with the same results, as kernels (kernels/), with the key rebuild and the value fetch on two
 streams joined by events, and no host sync inside a layer or between layers.
 
 The cache builds a DecodePlan once per decode forward (the per-sequence bookkeeping copied to the device once, shared
@@ -111,11 +111,12 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
     selected = scores.topk(plan.k_max, dim=-1).indices  # (B, Hkv, k_max), by score as reference.select_chunks
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected)
     plan.misses += misses[2].sum()
-    on_two_streams(plan.streams, lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses,
-                                                      plan.slot_ids, slots.sparse_v[:, layer], C),
-                   lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer], plan.inv_freq,
-                                        rotary.attention_factor, rotary.interleaved, *misses, plan.slot_ids,
-                                        slots.sparse_k[:, layer], C))
+    # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
+    on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
+                                                      plan.inv_freq, rotary.attention_factor, rotary.interleaved,
+                                                      *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
+                   lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids,
+                                        slots.sparse_v[:, layer], C))
 
 
 def on_two_streams(streams: tuple | None, first, second) -> None:
