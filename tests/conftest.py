@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in its interpreter. The variable must be set before any module defines a kernel,
+# and any test module may import one (the engine imports the fast decode path), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
