@@ -234,7 +234,7 @@ def main() -> None:
     s["misses"] = s["batch"] * HKV * round(0.4 * K)
     bench_attention(s, d2d, args.context)
     bench_layer_path(s, d2d, h2d, hit_rate=0.6)
-    meta = dict(command=" ".join(sys.argv), python=platform.python_version(), torch=torch.__version__,
+    meta = dict(command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]), python=platform.python_version(), torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
                 batch=args.batch, context=args.context, dtype=str(DTYPE), seconds=time.time() - start,
                 budget_share=K * C / args.context)
