@@ -1,17 +1,14 @@
 """Shared pieces of the kernel tests (no tests here): where kernels run, ragged paged inputs, and a comparison
 that prints the mismatching elements (Liger-Kernel style per-dtype tolerances).
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before any kernel is defined)."""
+Without CUDA the kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before any kernel exists)."""
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
