@@ -1,0 +1,184 @@
+"""Accuracy of the shipped model through our engine: dense attention, ShadowKV and a Quest-style baseline.
+
+RULER-style tasks (benchmarks/longctx_data.py, evaluation seeds, held-out text) at several contexts and a
+needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's
+1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
+per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, with the keys at full rank so the
+chunks it picks are exact, as Quest reads them. Writes benchmarks/results/accuracy.json (a list of rows),
+accuracy.meta.json (command, device, versions, timings), accuracy.md and one NIAH heatmap PNG per method.
+
+    python -m benchmarks.accuracy --model models/shadowkv-small --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.longctx_data import TASKS, make_sample, score
+from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core.models.loader import read_config
+from shadowkv_core.shadowkv.quest import QuestScorer
+
+RANK_SHARE = 160 / 1024  # the paper's rank over Llama-3-8B's kv_heads*head_dim
+OUTLIER_SHARE = 48 * 8 / 131072  # the paper's outlier tokens over its 128K context
+HEATMAP_BUDGET = 0.0156
+MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
+
+
+def shadowkv_config(model: str, context: int, budget: float, full_rank: bool) -> ShadowKVConfig:
+    """The method's cache config for one context length; budget is a fraction of the context."""
+    cfg = read_config(Path(model))
+    width = cfg["num_key_value_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    chunk = 8
+    return ShadowKVConfig(rank=width if full_rank else round(RANK_SHARE * width), chunk_size=chunk,
+                          sparse_budget=max(1, round(budget * context / chunk)) * chunk,
+                          outlier_chunks=max(1, round(OUTLIER_SHARE * context / chunk)), local_chunks=4,
+                          min_context=0, decode_window=128)
+
+
+def run(model: str, method: str, budget: float, samples: list, device: str) -> tuple[list[str], list[float]]:
+    """Greedy completions of same-length samples with one method; and the hit rate of each decode step."""
+    context = len(samples[0].prompt_ids)
+    config = None if method == "dense" else shadowkv_config(model, context, budget, full_rank=method == "quest")
+    llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=8)
+    scorer = QuestScorer() if method == "quest" else None
+    llm.engine.cache.chunk_scorer = scorer
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    for i, sample in enumerate(samples):
+        llm.engine.add_request(f"{i}", sample.prompt_ids, params)
+    texts, hit_rates = {}, []
+    while len(texts) < len(samples):
+        for out in llm.engine.step():
+            if out.finished:
+                texts[int(out.request_id)] = out.text
+        if config is not None and llm.engine.cache.last_step.selected:
+            hit_rates.append(llm.engine.cache.stats()["hit_rate"])
+    if scorer is not None and not scorer.bounds:
+        raise RuntimeError("the Quest scorer was never called: this cache path ignores chunk_scorer")
+    llm.engine.close()
+    return [texts[i] for i in range(len(samples))], hit_rates
+
+
+def methods(budgets: list[float]) -> list[tuple[str, float]]:
+    return [("dense", 1.0)] + [(m, b) for b in budgets for m in ("shadowkv", "quest")]
+
+
+def score_rows(args, groups: dict[tuple, list], log) -> list[dict]:
+    """One row per (group, method, budget): groups map (task, context, depth or None) to same-length samples."""
+    rows = []
+    for (task, context, depth), samples in groups.items():
+        for method, budget in methods(args.budgets):
+            start = time.time()
+            texts, hit_rates = run(args.model, method, budget, samples, args.device)
+            value = sum(score(s, t) for s, t in zip(samples, texts)) / len(samples)
+            row = {"task": task, "context": context, "method": method, "budget": budget, "score": value,
+                   "samples": len(samples), "seconds": round(time.time() - start, 2)}
+            if depth is not None:
+                row["depth"] = depth
+            if hit_rates:
+                row["hit_rate"] = sum(hit_rates) / len(hit_rates)
+            rows.append(row)
+            log(f"{task:18s} {context:6d} {'' if depth is None else depth:5} {method:8s} {budget:7.4f} "
+                f"{value:6.1f} ({row['seconds']:.1f}s)")
+    return rows
+
+
+def sample_groups(args) -> dict[tuple, list]:
+    groups = {(task, c, None): [make_sample(task, c, seed) for seed in range(args.samples)]
+              for c in args.contexts for task in TASKS}
+    for c in args.niah_contexts:
+        for depth in args.niah_depths:
+            groups[("niah_grid", c, depth)] = [make_sample("niah_single", c, 10_000 + seed, depth=depth)
+                                               for seed in range(args.niah_samples)]
+    return groups
+
+
+def markdown(rows: list[dict], budgets: list[float]) -> str:
+    """Task rows x method columns, averaged over the contexts; then the task average per context."""
+    cols = methods(budgets)
+    head = "| task | " + " | ".join(f"{m} {b:.2%}" if m != "dense" else "dense" for m, b in cols) + " |"
+    lines = [head, "|---" * (len(cols) + 1) + "|"]
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)] + ["niah_grid"]
+    for task in tasks + ["average (tasks)"]:
+        chosen = [r for r in rows if r["task"] == task or (task.startswith("average") and r["task"] in TASKS)]
+        cells = [_mean(r["score"] for r in chosen if (r["method"], r["budget"]) == col) for col in cols]
+        lines.append(f"| {task} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def heatmaps(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    grid = [r for r in rows if r["task"] == "niah_grid"]
+    paths = []
+    for method in ("dense", "shadowkv", "quest"):
+        cells = [r for r in grid if r["method"] == method and (method == "dense" or r["budget"] == HEATMAP_BUDGET)]
+        if not cells:
+            continue
+        contexts, depths = sorted({r["context"] for r in cells}), sorted({r["depth"] for r in cells})
+        table = [[next(r["score"] for r in cells if r["context"] == c and r["depth"] == d) for c in contexts]
+                 for d in depths]
+        fig, ax = plt.subplots(figsize=(1.2 * len(contexts) + 2, 0.6 * len(depths) + 1.5))
+        im = ax.imshow(table, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(contexts)), [f"{c // 1024}K" for c in contexts])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        for i, line in enumerate(table):
+            for j, value in enumerate(line):
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
+        label = "dense" if method == "dense" else f"{method}, budget {HEATMAP_BUDGET:.2%}"
+        ax.set(xlabel="context (tokens)", ylabel="needle depth", title=f"NIAH, {label}")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        paths.append(out_dir / f"niah_{method}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/shadowkv-small")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384])
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.005, 0.0156, 0.03, 0.06])
+    parser.add_argument("--niah-contexts", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--niah-depths", type=float, nargs="*", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--niah-samples", type=int, default=4)
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    rows = score_rows(args, sample_groups(args), lambda msg: print(msg, flush=True))
+    meta = {"command": "python -m benchmarks.accuracy " + " ".join(sys.argv[1:]), "device": _device(args.device),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "seconds": round(time.time() - start, 1), "model": args.model}
+    (out_dir / "accuracy.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "accuracy.meta.json").write_text(json.dumps(meta, indent=1))
+    table = markdown(rows, args.budgets)
+    (out_dir / "accuracy.md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}")
+    heatmaps(rows, out_dir)
+    print(table)
+
+
+def _device(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+if __name__ == "__main__":
+    main()
