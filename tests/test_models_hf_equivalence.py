@@ -1,5 +1,7 @@
 """Invariant 1: our decoder on the dense cache reproduces Hugging Face transformers' logits, family by family:
 a prompt's prefill, then 32 greedy decode steps fed the same tokens; and ragged batches equal each prompt alone."""
+import copy
+
 import pytest
 import torch
 
@@ -10,10 +12,11 @@ from shadowkv_core.models import load_model
 PROMPT_LEN, DECODE_STEPS = 24, 32  # phi3's longrope switches to its long factors at 32 tokens, mid-decode
 
 
-# (device, dtype, tolerance as a share of the logit scale): fp32 on CPU; bf16 on the GPU, where HF and we round
-# differently at every op.
-PRECISIONS = [pytest.param("cpu", torch.float32, 1e-4, id="cpu-fp32"),
-              pytest.param("cuda", torch.bfloat16, 4e-2, id="cuda-bf16", marks=pytest.mark.gpu)]
+# fp32 on CPU must match HF's fp32 within 1e-4 of the logit scale. bf16 on the GPU is judged against HF in fp32
+# there: its error may be at most twice what HF's own bf16 forward makes (every op rounds; the two round differently).
+PRECISIONS = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+              pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu)]
+FP32_REL = 1e-4
 
 
 def make_cache(spec, num_blocks=32, block_size=8, dtype=torch.float32, device="cpu"):
@@ -21,34 +24,51 @@ def make_cache(spec, num_blocks=32, block_size=8, dtype=torch.float32, device="c
                         device, spec.attention_scale)
 
 
-def assert_same_greedy(ours, ref, rel, what):
-    """The argmax must agree wherever the reference's top-2 margin exceeds twice the tolerance (else a tie)."""
-    top2 = ref.float().topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 2 * rel * ref.float().abs().max()
-    agree = ours.argmax(-1) == ref.argmax(-1)
+class HFReference:
+    """HF's fp32 forward (the truth) and, for a low-precision run, HF's own forward in that dtype (the yardstick)."""
+
+    def __init__(self, model, dtype):
+        self.models = [model] if dtype == torch.float32 else [model, copy.deepcopy(model).to(dtype)]
+        self.past = [None] * len(self.models)
+
+    def __call__(self, input_ids):
+        logits = []
+        for i, model in enumerate(self.models):
+            out = model(input_ids, past_key_values=self.past[i], use_cache=True)
+            self.past[i] = out.past_key_values
+            logits.append(out.logits[0].float())
+        return logits[0], (logits[1] if len(logits) > 1 else None)
+
+
+def assert_within_reference(ours, truth, low, what):
+    scale = truth.abs().max().item()
+    err = (ours.float() - truth).abs().max().item()
+    bound = FP32_REL * scale if low is None else max(2 * (low - truth).abs().max().item(), FP32_REL * scale)
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+    top2 = truth.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * bound  # elsewhere the top two are a tie at this precision
+    agree = ours.argmax(-1) == truth.argmax(-1)
     assert bool((agree | ~clear).all()), f"{what}: greedy token differs"
 
 
-@pytest.mark.parametrize("device, dtype, rel", PRECISIONS)
+@pytest.mark.parametrize("device, dtype", PRECISIONS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_prefill_and_decode_match_hf(family, device, dtype, rel, tmp_path):
-    hf = build_tiny_hf_model(family, tmp_path).to(device, dtype)
+def test_prefill_and_decode_match_hf(family, device, dtype, tmp_path):
+    reference = HFReference(build_tiny_hf_model(family, tmp_path).to(device), dtype)
     decoder, spec = load_model(str(tmp_path), dtype, device)
     cache = make_cache(spec, dtype=dtype, device=device)
     cache.allocate(0, PROMPT_LEN, DECODE_STEPS)
     prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = hf(prompt[None].to(device), use_cache=True)
-        assert_close_to(prefill(decoder, cache, [prompt]), out.logits[0], f"{family} prefill", rel)
-        token, past = out.logits[0, -1].argmax().item(), out.past_key_values
+        truth, low = reference(prompt[None].to(device))
+        assert_within_reference(prefill(decoder, cache, [prompt]), truth, low, f"{family} prefill")
+        token = truth[-1].argmax().item()
         generated = []
         for step in range(DECODE_STEPS):
             ours = decode(decoder, cache, [token], [PROMPT_LEN + step])
-            out = hf(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
-            ref, past = out.logits[0], out.past_key_values
-            assert_close_to(ours, ref, f"{family} decode step {step}", rel)
-            assert_same_greedy(ours, ref, rel, f"{family} decode step {step}")
-            token = ref[-1].argmax().item()
+            truth, low = reference(torch.tensor([[token]], device=device))
+            assert_within_reference(ours, truth, low, f"{family} decode step {step}")
+            token = truth[-1].argmax().item()
             generated.append(token)
     assert len(set(generated)) > 1, "degenerate test model: it repeats one token"
 
