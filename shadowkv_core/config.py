@@ -74,6 +74,7 @@ class EngineConfig:
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
+    use_kernels: decode ShadowKV sequences on the Triton kernels; None: on CUDA yes, elsewhere the PyTorch reference.
     """
 
     model: str
@@ -91,6 +92,7 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     load_format: str = "auto"
+    use_kernels: bool | None = None
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")

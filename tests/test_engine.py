@@ -175,3 +175,14 @@ def test_a_long_prefill_advances_layer_by_layer_while_decodes_keep_running(tiny_
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert [outs["short"].token_ids, outs["long"].token_ids] == want
     assert cache_is_empty(engine)
+
+
+def test_the_triton_decode_path_generates_what_the_reference_path_does(tiny_path, dense_llm):
+    # On CPU the kernels run in Triton's interpreter (tests/conftest.py): slow, so a short run.
+    prompts = prompts_of_lengths([70, 33], seed=17)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    fast = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=FULL_SHADOW,
+               use_kernels=True)
+    assert [o.token_ids for o in fast.generate(prompts, params)] == \
+        [o.token_ids for o in dense_llm.generate(prompts, params)]
+    assert fast.engine.stats()["hit_rate"] > 0

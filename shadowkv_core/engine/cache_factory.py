@@ -75,4 +75,4 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
                          spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
                          pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
                          page_chunks=cfg.page_chunks, prefill_chunk_tokens=config.prefill_chunk_tokens,
-                         placement=placement)
+                         placement=placement, use_kernels=config.use_kernels)

@@ -39,7 +39,7 @@ class RotaryEmbedding:
         return self.rope_type in ("longrope", "dynamic")
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        freqs = positions[:, None].float() * self._inv_freq(positions, seq_lens)  # (n, rotary_dim/2), fp32
+        freqs = positions[:, None].float() * self.frequencies(positions, seq_lens)  # (n, rotary_dim/2), fp32
         cos = (freqs.cos() * self.attention_factor)[:, None, :]  # (n, 1, rotary_dim/2)
         sin = (freqs.sin() * self.attention_factor)[:, None, :]
         rot = x[..., :self.rotary_dim].float()
@@ -51,7 +51,7 @@ class RotaryEmbedding:
             rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return torch.cat((rotated.to(x.dtype), x[..., self.rotary_dim:]), dim=-1)
 
-    def _inv_freq(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
+    def frequencies(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
         """(rotary_dim/2,) or, when it depends on the sequence length, (n, rotary_dim/2)."""
         if not self.uses_seq_lens:
             return self.inv_freq

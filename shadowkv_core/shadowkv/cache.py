@@ -15,6 +15,7 @@ import torch
 
 from shadowkv_core.attention import AttentionMetadata, KVCache
 from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
 from shadowkv_core.shadowkv.pages import GpuPages
@@ -37,6 +38,8 @@ class BatchSplit:
     dense_meta: AttentionMetadata | None
     dense_tokens: torch.Tensor  # (T_dense,) rows of the forward's tokens that belong to dense sequences
     shadow: list[tuple[SequenceState, int, int]]  # (state, query_start, query_len)
+    shadow_tokens: torch.Tensor  # (S,) rows of the forward's tokens that belong to shadow sequences
+    plan: DecodePlan | None = None  # the fast path's bookkeeping of a decode forward, shared by its layers
 
 
 class ShadowKVCache(KVCache):
@@ -47,7 +50,7 @@ class ShadowKVCache(KVCache):
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
                  num_gpu_pages: int, num_host_pages: int, dense: KVCache, page_chunks: int = 16,
-                 prefill_chunk_tokens: int = 8192, placement=None):
+                 prefill_chunk_tokens: int = 8192, placement=None, use_kernels: bool | None = None):
         config.check_model(num_kv_heads, head_dim)
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -62,6 +65,11 @@ class ShadowKVCache(KVCache):
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
+        # Decode on the Triton kernels (value fetch and key rebuild on two streams) by default on CUDA; the
+        # reference path (layer.decode_layer) elsewhere, and for a custom chunk_scorer.
+        self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
+        self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
+            if self.device.type == "cuda" else None
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._split: tuple[AttentionMetadata, BatchSplit] | None = None
 
@@ -132,6 +140,12 @@ class ShadowKVCache(KVCache):
         if split.dense_meta is not None:
             rows = split.dense_tokens
             out[rows] = self.dense.attend(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], split.dense_meta)
+        if not meta.is_prefill and split.shadow and self._fast_decode():
+            rows = split.shadow_tokens
+            if split.plan is None:
+                split.plan = DecodePlan.build(self, [st for st, _, _ in split.shadow])
+            out[rows] = decode_layer_fast(self, layer, split.plan, q[rows], k_pre[rows], k_rot[rows], v[rows])
+            return out
         for st, start, n in split.shadow:
             i = slice(start, start + n)
             if meta.is_prefill:
@@ -139,6 +153,9 @@ class ShadowKVCache(KVCache):
             else:
                 out[i] = decode_layer(self, layer, st, q[start], k_pre[start], k_rot[start], v[start])[None]
         return out
+
+    def _fast_decode(self) -> bool:
+        return self.use_kernels and self.chunk_scorer is None
 
     def _split_batch(self, meta: AttentionMetadata) -> BatchSplit:
         # The same split serves every layer of a forward: build it once per metadata object (held, so that its id
@@ -158,12 +175,13 @@ class ShadowKVCache(KVCache):
                                  f"token at a time; got {n} tokens after {ctx}")
             shadow.append((st, start, n))
         dense_tokens = torch.tensor(dense_rows, dtype=torch.int64, device=meta.positions.device)
+        shadow_tokens = torch.tensor([start for _, start, _ in shadow], dtype=torch.int64, device=self.device)
         dense_meta = None
         if dense_idx:
             dense_meta = AttentionMetadata(
                 meta.is_prefill, [meta.seq_ids[i] for i in dense_idx], [meta.query_lens[i] for i in dense_idx],
                 [meta.context_lens[i] for i in dense_idx], meta.positions[dense_tokens])
-        split = BatchSplit(dense_meta, dense_tokens, shadow)
+        split = BatchSplit(dense_meta, dense_tokens, shadow, shadow_tokens)
         self._split = (meta, split)
         return split
 
@@ -171,6 +189,8 @@ class ShadowKVCache(KVCache):
         split = self._split_batch(meta)
         if split.dense_meta is not None:
             self.dense.finish_forward(split.dense_meta)
+        if split.plan is not None:
+            self._count_fast_step(split)
         for st, _, n in split.shadow:
             st.seq_len += n
             if not meta.is_prefill:
@@ -180,6 +200,15 @@ class ShadowKVCache(KVCache):
         if not meta.is_prefill:
             self.last_step, self.step = self.step, StepCounters()
         self._split = None
+
+    def _count_fast_step(self, split: BatchSplit) -> None:
+        """The fast path's step counters: its miss count is read back once per step, after all layers."""
+        C, Hkv, d = self.config.chunk_size, self.slots.sparse_v.shape[2], self.slots.sparse_v.shape[-1]
+        selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
+                       for st, _, _ in split.shadow) * Hkv * self.num_layers
+        fetched = int(split.plan.misses)
+        self.step = StepCounters(selected, selected - fetched, fetched,
+                                 fetched * C * d * self.slots.sparse_v.element_size())
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU

@@ -60,8 +60,7 @@ class DecodePlan:
         rows = [st.seq_len for st in states]
         rotary = cache.rotary
         prompt_lens = torch.tensor([st.prompt_len for st in states], device=dev)
-        inv_freq = rotary._inv_freq(prompt_lens - 1, prompt_lens if rotary.uses_seq_lens else None).float()
-        streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) if dev.type == "cuda" else None
+        inv_freq = rotary.frequencies(prompt_lens - 1, prompt_lens if rotary.uses_seq_lens else None).float()
         max_keys = max(st.num_outliers * C + k * C + w for st, k, w in zip(states, selected, window))
         return DecodePlan(
             slot_ids=ints([st.slot for st in states]), gpu_table=table([st.gpu_pages for st in states]),
@@ -74,7 +73,7 @@ class DecodePlan:
             window_pos=ints([st.window_len for st in states], torch.int64),
             inv_freq=inv_freq.expand(len(states), -1).contiguous(),
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
-            k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=streams,
+            k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
             misses=torch.zeros((), dtype=torch.int64, device=dev))
 
 
