@@ -39,15 +39,10 @@ class DenseKVCache(KVCache):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.blocks = BlockAllocator(num_blocks)
-        self.block_bytes = self.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize  # K and V
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[int, torch.Tensor] | None = None
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)

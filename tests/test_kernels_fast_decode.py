@@ -18,7 +18,7 @@ SCALE = D ** -0.5
 def _cache(config, rotary, dtype, device):
     dense = DenseKVCache(L, HKV, D, num_blocks=8, block_size=16, dtype=dtype, device=device, scale=SCALE)
     return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=512,
-                         num_host_pages=512, dense=dense, page_chunks=4)
+                         num_host_pages=512, dense=dense)
 
 
 def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
@@ -43,7 +43,7 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_fast_decode_equals_reference(dtype, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
-                            min_context=0, decode_window=8)
+                            min_context=0, decode_window=8, page_chunks=4)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
     caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
     for cache in caches:

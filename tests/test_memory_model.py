@@ -57,7 +57,7 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
     cache = engine.cache
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
     allocated_gpu = sum(t.numel() * t.element_size() for t in
-                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *_slot_buffers(cache)))
+                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *cache.slots.buffers))
     pools = mm.plan_pools(g, cfg, int(0.005 * mm.GIB), int(0.002 * mm.GIB), 3)
     assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages) == \
         (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages)
@@ -73,12 +73,6 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
         assert used == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
         cache.free(prompt_len)
     assert cache.stats()["gpu_bytes_in_use"] == 0
-
-
-def _slot_buffers(cache):
-    s = cache.slots
-    return (s.sv, s.resident, s.sparse_k, s.sparse_v, s.outlier_ids, s.outlier_k, s.outlier_v, s.window_k,
-            s.window_v)
 
 
 def test_cli_prints_dense_and_shadowkv_capacity(capsys):

@@ -4,14 +4,12 @@ import pytest
 import torch
 
 from shadowkv_core.attention import AttentionMetadata, attention_ref, prefill_attention_ref
+from shadowkv_core import memory_model as mm
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.dense_cache import DenseKVCache
 from shadowkv_core.models.rotary import RotaryEmbedding
 from shadowkv_core.models.spec import ModelSpec
 from shadowkv_core.shadowkv.cache import ShadowKVCache
-from shadowkv_core.shadowkv.host_store import HostValueStore
-from shadowkv_core.shadowkv.pages import GpuPages
-from shadowkv_core.shadowkv.slots import Slots
 from test_shadowkv_reference import RopeForTests
 
 L, HQ, HKV, D = 2, 4, 2, 8
@@ -23,13 +21,13 @@ def make_cache(config: ShadowKVConfig, max_num_seqs=4, gpu_pages=64, host_pages=
     dense = DenseKVCache(L, HKV, D, num_blocks=dense_blocks, block_size=4, dtype=torch.float32, device=device,
                          scale=SCALE)
     return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rope or RopeForTests(D), torch.float32, device, max_num_seqs,
-                         gpu_pages, host_pages, dense, page_chunks=4)
+                         gpu_pages, host_pages, dense)
 
 
 def full_config(**overrides):
     """Budget covering every chunk, full rank: ShadowKV must equal dense attention."""
     fields = dict(rank=HKV * D, chunk_size=4, sparse_budget=128, outlier_chunks=2, local_chunks=2, min_context=0,
-                  decode_window=8)
+                  decode_window=8, page_chunks=4)
     return ShadowKVConfig(**{**fields, **overrides})
 
 
@@ -172,11 +170,9 @@ def test_allocate_refuses_when_slots_run_out():
 def test_footprint_is_what_the_buffers_take():
     config = full_config(outlier_chunks=3)
     cache = make_cache(config, max_num_seqs=2, gpu_pages=5, host_pages=7)
-    gpu_page = GpuPages.bytes_per_page(L, 4, 4, config.rank, HKV, D, torch.float32)
-    host_page = HostValueStore.bytes_per_page(L, 16, HKV, D, torch.float32)
-    slot = Slots.bytes_per_slot(L, HKV, D, config, torch.float32)
-    tensors = [cache.gpu.u, cache.gpu.landmarks] + [getattr(cache.slots, n) for n in Slots.buffer_specs(
-        L, HKV, D, config, torch.float32)]
+    g = mm.Geometry(L, HQ, HKV, D, hidden_size=0, intermediate_size=0, vocab_size=0, dtype_bytes=4)
+    gpu_page, host_page, slot = mm.gpu_page_bytes(g, config), mm.host_page_bytes(g, config), mm.slot_bytes(g, config)
+    tensors = [cache.gpu.u, cache.gpu.landmarks, *cache.slots.buffers]
     assert sum(t.numel() * t.element_size() for t in tensors) == 5 * gpu_page + 2 * slot
     assert cache.host.values.numel() * 4 == 7 * host_page
     assert cache.footprint(40, 8) == (3 * gpu_page + slot, 3 * host_page)

@@ -23,7 +23,7 @@ def caches(spec, dtype, device, rotary):
                             outlier_chunks=2, local_chunks=2, min_context=0, decode_window=16, page_chunks=4)
     shadow = ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, config,
                            spec.attention_scale, rotary, dtype, device, max_num_seqs=3, num_gpu_pages=32,
-                           num_host_pages=32, dense=dense(0), page_chunks=config.page_chunks)
+                           num_host_pages=32, dense=dense(0))
     return dense(64), shadow
 
 

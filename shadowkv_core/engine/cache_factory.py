@@ -74,5 +74,5 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
     return ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg,
                          spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
                          pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
-                         page_chunks=cfg.page_chunks, prefill_chunk_tokens=config.prefill_chunk_tokens,
+                         prefill_chunk_tokens=config.prefill_chunk_tokens,
                          placement=placement, use_kernels=config.use_kernels)

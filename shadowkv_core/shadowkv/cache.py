@@ -43,13 +43,13 @@ class BatchSplit:
 
 
 class ShadowKVCache(KVCache):
-    """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `page_chunks`
+    """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `config.page_chunks`
     chunks. `rotary` is the model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
     sequences shorter than config.min_context."""
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
-                 num_gpu_pages: int, num_host_pages: int, dense: KVCache, page_chunks: int = 16,
+                 num_gpu_pages: int, num_host_pages: int, dense: KVCache,
                  prefill_chunk_tokens: int = 8192, placement=None, use_kernels: bool | None = None):
         config.check_model(num_kv_heads, head_dim)
         if num_q_heads % num_kv_heads:
@@ -58,7 +58,7 @@ class ShadowKVCache(KVCache):
         self.num_layers = num_layers
         self.device = torch.device(device)
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.gpu = GpuPages(num_layers, num_gpu_pages, page_chunks, config.chunk_size, config.rank, num_kv_heads,
+        self.gpu = GpuPages(num_layers, num_gpu_pages, config.page_chunks, config.chunk_size, config.rank, num_kv_heads,
                             head_dim, dtype, device)
         self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
                                    pin=self.device.type == "cuda", placement=placement)

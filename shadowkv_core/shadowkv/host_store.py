@@ -58,14 +58,11 @@ class HostValueStore:
     def num_free(self) -> int:
         return self.pages.num_free
 
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * page_tokens * num_kv_heads * head_dim * dtype.itemsize
-
     @property
     def page_bytes(self) -> int:
+        """Values of one page, every layer."""
         L, _, page_tokens, Hkv, d = self.shape
-        return self.bytes_per_page(L, page_tokens, Hkv, d, self.dtype)
+        return L * page_tokens * Hkv * d * self.dtype.itemsize
 
     @property
     def bytes_in_use(self) -> int:

@@ -34,12 +34,6 @@ class GpuPages:
     def num_free(self) -> int:
         return self.pages.num_free
 
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_chunks: int, chunk_size: int, rank: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype) -> int:
-        """U rows and landmarks of one page, every layer."""
-        return num_layers * page_chunks * (chunk_size * rank + num_kv_heads * head_dim) * dtype.itemsize
-
     @property
     def page_bytes(self) -> int:
         return (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()

@@ -52,7 +52,8 @@ class Slots:
         specs = self.buffer_specs(num_layers, num_kv_heads, head_dim, config, dtype)
         for name, (shape, dt) in specs.items():
             setattr(self, name, torch.zeros((max_num_seqs, *shape), dtype=dt, device=device))
-        self.slot_bytes = self.bytes_per_slot(num_layers, num_kv_heads, head_dim, config, dtype)
+        self.buffers = [getattr(self, name) for name in specs]
+        self.slot_bytes = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
         self.slots = BlockAllocator(max_num_seqs)
 
     @staticmethod
@@ -70,12 +71,6 @@ class Slots:
             "outlier_k": ((L, Hkv, O * C, d), dtype), "outlier_v": ((L, Hkv, O * C, d), dtype),
             "window_k": ((L, E, Hkv, d), dtype), "window_v": ((L, E, Hkv, d), dtype),
         }
-
-    @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
-                       dtype: torch.dtype) -> int:
-        specs = Slots.buffer_specs(num_layers, num_kv_heads, head_dim, config, dtype)
-        return sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
 
     @property
     def num_slots(self) -> int:
