@@ -3,7 +3,7 @@ batches up to the predicted maximum. For each, the engine is sized by the memory
 batch runs (prefill + a few decode steps), one more request is refused before any allocation, and peak GPU bytes
 (allocator peak + what the CUDA context holds outside it) and pinned host bytes are compared with the prediction.
 
-python benchmarks/memory_model.py --contexts 8192 32768 122880 --out memory_model.json
+python -m benchmarks.memory_model --contexts 8192 32768 122880 --out memory_model.json
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from report import print_table, write_json
+from benchmarks.report import print_table, write_json
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
 
@@ -122,7 +122,7 @@ def main() -> None:
             row["predicted_max_batch"] = best
             rows.append(row)
             print_table([row], ["context", "batch", "gpu_ratio", "host_ratio", "extra_request_refused", "seconds"])
-    path = write_json(args.out, rows, gpu_total_bytes=total, host_budget_bytes=host)
+            path = write_json(args.out, rows, gpu_total_bytes=total, host_budget_bytes=host)  # after every row
     print(f"wrote {path}")
     print_table(rows, ["context", "batch", "predicted_max_batch", "predicted_gpu_bytes", "measured_gpu_bytes",
                        "gpu_ratio", "predicted_host_bytes", "measured_host_bytes", "host_ratio",

@@ -193,22 +193,27 @@ def mem_available_bytes() -> int:
 
 
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
+# Calibrated on an H200 (torch 2.11, bf16, Llama-3.1-8B geometry; benchmarks/results/memory_model.json): a layer-wise
+# prefill holds about 8 hidden-sized bf16 vectors per prompt token at its peak (hidden states, residual, q, the
+# attention output and their RoPE / projection temporaries), ShadowKV two fp32 key rows more (the keys being
+# factorised and their normalised copies), plus one token chunk's MLP. The CUDA context held 0.85 GiB outside
+# torch's allocator.
+WORKSPACE_HIDDEN_VECTORS = 8
+CONTEXT_BYTES = int(0.9 * GIB)
+
+
 def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int) -> int:
-    """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer: the hidden states and q/k/v of the
-    whole prompt, one token chunk's MLP and attention scores, and for ShadowKV the fp32 keys being factorised."""
-    d = g.dtype_bytes
-    q_width = g.num_q_heads * g.head_dim
-    whole = prompt_tokens * (3 * g.hidden_size + 2 * q_width + 4 * g.kv_width) * d
-    chunk = min(chunk_tokens, prompt_tokens)
-    per_chunk = chunk * 3 * g.intermediate_size * d + chunk * g.vocab_size * 4
-    shadow = 2 * prompt_tokens * g.kv_width * 4 if cfg is not None else 0
-    return whole + per_chunk + shadow
+    """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer."""
+    whole = prompt_tokens * WORKSPACE_HIDDEN_VECTORS * g.hidden_size * g.dtype_bytes
+    shadow = prompt_tokens * 2 * g.kv_width * 4 if cfg is not None else 0
+    mlp_chunk = min(chunk_tokens, prompt_tokens) * 3 * g.intermediate_size * g.dtype_bytes  # gate, up, activation
+    return whole + shadow + mlp_chunk
 
 
 def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: int, chunk_tokens: int,
-                    overhead_bytes: int = GIB) -> int:
-    """Weights, the largest prefill's workspace, and a flat allowance for the CUDA context's allocator slack."""
-    return g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens) + overhead_bytes
+                    context_bytes: int = CONTEXT_BYTES) -> int:
+    """Weights, the largest prefill's workspace, and what the CUDA context holds outside torch's allocator."""
+    return g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens) + context_bytes
 
 
 def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
