@@ -80,7 +80,8 @@ def engine_config(args: AppArgs, model: str) -> dict[str, Any]:
 
 def replica_options(args: AppArgs) -> dict[str, Any]:
     options: dict[str, Any] = {"ray_actor_options": {"num_gpus": args.num_gpus, "num_cpus": args.num_cpus},
-                               "max_ongoing_requests": 2 * args.max_num_seqs}
+                               "max_ongoing_requests": 2 * args.max_num_seqs,
+                               "max_queued_requests": 4 * args.max_num_seqs}  # at the ingress's handle
     if args.max_replicas > args.min_replicas:
         options["autoscaling_config"] = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
                                          "policy": {"policy_function": POLICY}}

@@ -19,7 +19,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.admission import Footprint
-from serve_app.replica_stream import RequestStream, error_event
+from serve_app.errors import error_event
+from serve_app.replica_stream import RequestStream
 from serve_app.router import MemoryAwareRouter
 from shadowkv_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from shadowkv_core import memory_model as mm

@@ -3,6 +3,7 @@ turn validation failures and our own refusals into it."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("ray.serve")
+_FIELD_PREFIX = re.compile(r"^(\w+):")
 
 
 class OpenAIError(Exception):
@@ -26,6 +28,15 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_event(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict:
+    """An engine event carrying an OpenAI error body; `param` defaults to the field the engine's message names."""
+    if param is None and status == 400:
+        named = _FIELD_PREFIX.match(message)
+        param = named.group(1) if named else None
+    return {"error": {"message": message, "type": type, "param": param, "code": code}, "status": status}
 
 
 def invalid_field(param: str, message: str) -> OpenAIError:

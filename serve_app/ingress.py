@@ -12,10 +12,11 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.admission import AdmissionGate, Footprint, board_for
-from serve_app.errors import OpenAIError, install_error_handlers, not_ready
+from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
@@ -29,7 +30,8 @@ api = FastAPI(title="ShadowKV Serve", description="OpenAI-compatible long-contex
 install_error_handlers(api)
 
 
-@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, ray_actor_options={"num_cpus": 0},
+                  backpressure_config={"status_code": 429, "retry_after_s": 1})
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
@@ -117,6 +119,15 @@ class Ingress:
                     last = now
                 finished = "error" in event or event["finished"]
                 yield event
+        except BackPressureError:
+            finished = True
+            yield error_event(429, "the engine replicas' queues are full; retry later", type="rate_limit_error",
+                              code="rate_limit_exceeded")
+        except RayServeException as exc:  # the replica died or became unreachable mid-request
+            logger.warning("request %s failed in the engine replica: %r", request_id, exc)
+            finished = True
+            yield error_event(503, "the engine replica serving this request failed; retry", type="server_error",
+                              code="replica_failed")
         finally:
             if not finished:
                 stream.cancel()

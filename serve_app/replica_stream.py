@@ -6,22 +6,10 @@ Bounded by construction: a stream holds one output, however far its consumer fal
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import AsyncIterator
 
+from serve_app.errors import error_event
 from shadowkv_core import RequestOutput
-
-_FIELD_PREFIX = re.compile(r"^(\w+):")
-
-
-def error_event(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                code: str | None = None) -> dict:
-    """An event carrying an OpenAI error body; `param` defaults to the field the engine's message names first."""
-    if param is None and status == 400:
-        named = _FIELD_PREFIX.match(message)
-        param = named.group(1) if named else None
-    return {"error": {"message": message, "type": type, "param": param, "code": code}, "status": status}
-
 
 class RequestStream:
     def __init__(self):

@@ -26,8 +26,9 @@ def sse(payload: BaseModel | dict) -> str:
 def raise_if_error(event: dict) -> None:
     if "error" in event:
         err = event["error"]
-        raise OpenAIError(event.get("status", 500), err["message"], type=err.get("type", "server_error"),
-                          param=err.get("param"), code=err.get("code"))
+        status = event.get("status", 500)
+        raise OpenAIError(status, err["message"], type=err.get("type", "server_error"), param=err.get("param"),
+                          code=err.get("code"), headers={"Retry-After": "1"} if status in (429, 503) else None)
 
 
 async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
