@@ -95,7 +95,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                 chosen = [(s, t) for s, t in zip(samples, texts) if depth is None or _nearest(args, s) == depth]
                 row = {**base, "score": sum(score(s, t) for s, t in chosen) / len(chosen), "samples": len(chosen)}
                 rows.append(row if depth is None else {**row, "depth": depth})
-                log(f"{task:18s} {context:6d} {'' if depth is None else depth:5} {method:8s} {budget:7.4f} {row['score']:6.1f} "
+                where = "" if depth is None else depth
+                log(f"{task:18s} {context:6d} {where:5} {method:8s} {budget:7.4f} {row['score']:6.1f} "
                     f"({base['seconds']:.1f}s)")
             save(rows)
     return rows
