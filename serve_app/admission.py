@@ -84,10 +84,12 @@ class CapacityBoard:
             self._replicas = {rid: self._replicas.get(rid, _Replica(0, 0, 0, {})).reported(stats)
                               for rid, stats in reports.items() if "free_gpu_bytes" in stats}
 
-    def place(self, request_id: str, gpu: int, host: int) -> str | None:
-        """Reserve the request on the replica it fits best (least GPU, then host, bytes left over); None if none."""
+    def place(self, request_id: str, gpu: int, host: int, among: set[str] | None = None) -> str | None:
+        """Reserve the request on the replica (of `among`, default all) it fits best: least GPU, then host, bytes
+        left over; None if it fits none."""
         with self._lock:
             fits = [(room[0] - gpu, room[1] - host, rid) for rid, rep in self._replicas.items()
+                    if among is None or rid in among
                     for room in [rep.room()] if room[0] >= gpu and room[1] >= host and room[2] >= 1]
             if not fits:
                 return None

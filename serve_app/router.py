@@ -52,6 +52,6 @@ class MemoryAwareRouter(RequestRouter):
                  by_id: dict[str, RunningReplica]) -> List[List[RunningReplica]]:
         args = pending_request.args[0]
         self._board.release(request_id)
-        placed = self._board.place(request_id, args["gpu_bytes"], args["host_bytes"])
+        placed = self._board.place(request_id, args["gpu_bytes"], args["host_bytes"], among=set(by_id))
         # Nothing fits any more (a replica died under us): let the replica refuse it rather than hang here.
         return [[by_id[placed]]] if placed in by_id else [list(by_id.values())]

@@ -3,6 +3,7 @@ metrics, autoscaling arithmetic."""
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +14,7 @@ from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.router import MemoryAwareRouter
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
@@ -183,3 +185,27 @@ def test_autoscaling_asks_for_replicas_by_memory_demand():
     assert desired_replicas([0.1, 0.0], current=2, lowest=1, highest=8) == 1
     assert desired_replicas([1.0] * 8, current=8, lowest=1, highest=8) == 8
     assert desired_replicas([], current=3, lowest=1, highest=8) == 3
+
+
+class _FakeReplica:
+    def __init__(self, unique_id: str):
+        self.replica_id = SimpleNamespace(unique_id=unique_id)
+
+
+def _router_with(board: CapacityBoard) -> MemoryAwareRouter:
+    router = MemoryAwareRouter.__new__(MemoryAwareRouter)  # Serve's constructor needs a live deployment
+    router._board = board
+    return router
+
+
+def test_router_sends_a_request_where_admission_placed_it_and_replaces_it_if_that_replica_is_gone():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB), "b": _report(2 * GIB)})
+    router = _router_with(board)
+    a, b = _FakeReplica("a"), _FakeReplica("b")
+    placed = board.place("r1", GIB, 0)
+    request = SimpleNamespace(args=[{"request_id": "r1", "gpu_bytes": GIB, "host_bytes": 0}])
+    assert asyncio.run(router.choose_replicas([a, b], request)) == [[a if placed == "a" else b]]
+    assert asyncio.run(router.choose_replicas([b], request)) == [[b]]  # "a" gone: best fit among the live ones
+    assert board.placement("r1") == "b"
+    assert asyncio.run(router.choose_replicas([a, b], None)) == [[a, b]]  # no placement: any replica
