@@ -63,19 +63,20 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
     for i in range(batch + 1):
         engine.add_request(f"r{i}", torch.randint(0, g.vocab_size, (context,), generator=gen).tolist(), params)
-    start, peak_host, refusals = time.perf_counter(), 0, []
+    start, peak_host, refusals, concurrent = time.perf_counter(), 0, [], 0
     while any(f"r{i}" in engine.requests for i in range(batch)):
         engine.step()
         peak_host = max(peak_host, engine.stats()["host_bytes_in_use"])
+        concurrent = max(concurrent, engine.stats()["num_running"])
         holding = [engine.requests.get(f"r{i}") for i in range(batch)]
         if all(seq is not None and seq.status.value != "waiting" for seq in holding):  # the whole batch admitted
             extra = engine.requests[f"r{batch}"]
             refusals.append(extra.status.value == "waiting" and not engine.cache.can_allocate(context, max_new))
     refused = bool(refusals) and all(refusals)
-    predicted_gpu = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens) + gpu_budget
+    predicted_gpu = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens, batch) + gpu_budget
     row = {"device": torch.cuda.get_device_name() if cuda else "cpu", "context": context, "batch": batch,
            "predicted_gpu_bytes": predicted_gpu, "predicted_host_bytes": host_budget, "measured_host_bytes": peak_host,
-           "weights_bytes": g.weight_bytes, "pools_gpu_bytes": gpu_budget, "extra_request_refused": refused,
+           "weights_bytes": g.weight_bytes, "pools_gpu_bytes": gpu_budget, "extra_request_refused": refused, "max_concurrent": concurrent, "max_new_tokens": max_new,
            "seconds": round(time.perf_counter() - start, 1), "host_ratio": peak_host / host_budget}
     if cuda:
         torch.cuda.synchronize()
@@ -101,7 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 122880])
     parser.add_argument("--batches", default="1,max", help="comma list of batch sizes; 'max' = predicted maximum")
-    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: batch + 3, so the whole batch is resident at once (one prefill per step)")
     parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
     parser.add_argument("--out", default="memory_model.json")
     parser.add_argument("--device", default="cuda")
@@ -115,10 +117,10 @@ def main() -> None:
     host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
     rows = []
     for context in args.contexts:
-        best = mm.capacity(g, cfg, int(total * 0.9), host, [context], args.max_new_tokens)
+        best = mm.capacity(g, cfg, int(total * 0.9), host, [context], args.max_new_tokens or 64)
         for b in args.batches.split(","):
             batch = best if b == "max" else min(int(b), best)
-            row = run_batch(model, cfg, context, batch, args.max_new_tokens, args.device)
+            row = run_batch(model, cfg, context, batch, args.max_new_tokens or batch + 3, args.device)
             row["predicted_max_batch"] = best
             rows.append(row)
             print_table([row], ["context", "batch", "gpu_ratio", "host_ratio", "extra_request_refused", "seconds"])

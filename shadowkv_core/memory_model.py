@@ -210,10 +210,17 @@ def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_toke
     return whole + shadow + mlp_chunk
 
 
+def decode_workspace_bytes(g: Geometry, num_seqs: int) -> int:
+    """A decode step's logits for `num_seqs` sequences: the lm_head's output and its fp32 copy."""
+    return num_seqs * g.vocab_size * (g.dtype_bytes + 4)
+
+
 def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: int, chunk_tokens: int,
-                    context_bytes: int = CONTEXT_BYTES) -> int:
-    """Weights, the largest prefill's workspace, and what the CUDA context holds outside torch's allocator."""
-    return g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens) + context_bytes
+                    max_num_seqs: int = 1, context_bytes: int = CONTEXT_BYTES) -> int:
+    """Weights, the largest prefill's workspace, the full batch's decode logits, and what the CUDA context holds
+    outside torch's allocator."""
+    return (g.weight_bytes + prefill_workspace_bytes(g, cfg, max_prompt_tokens, chunk_tokens)
+            + decode_workspace_bytes(g, max_num_seqs) + context_bytes)
 
 
 def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
@@ -233,14 +240,15 @@ def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes
              max_new_tokens: int, chunk_tokens: int = 8192, block_size: int = 16) -> int:
     """How many sequences of the given context mix (repeated in turn) a replica holds in its GPU and host bytes,
     after the fixed cost of weights and the largest prefill."""
-    free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens)
+    free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens, max_num_seqs=0)
     free_host = host_bytes
     batch = 0
     while True:
         need = engine_seq_bytes(g, cfg, contexts[batch % len(contexts)], max_new_tokens, block_size)
-        if need.gpu > free_gpu or need.host > free_host:
+        if need.gpu + decode_workspace_bytes(g, 1) > free_gpu or need.host > free_host:
             return batch
-        free_gpu, free_host, batch = free_gpu - need.gpu, free_host - need.host, batch + 1
+        free_gpu -= need.gpu + decode_workspace_bytes(g, 1)
+        free_host, batch = free_host - need.host, batch + 1
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,8 @@ def gpu_cache_bytes(config: EngineConfig, spec, g: mm.Geometry, device: torch.de
     if device.type != "cuda":
         return CPU_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    workspace = mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens,
-                                           config.prefill_chunk_tokens)
+    workspace = (mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, config.prefill_chunk_tokens)
+                 + mm.decode_workspace_bytes(g, config.max_num_seqs))
     return max(int(total * config.gpu_memory_utilization) - (total - free) - workspace, 0)
 
 
