@@ -21,17 +21,16 @@ class Prepared:
 def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
     """Tokenize the prompt the way the engine does (`tokenizer(prompt)`), or render the chat template first."""
     if isinstance(request, ChatCompletionRequest):
-        if getattr(tokenizer, "chat_template", None) is None:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise invalid_field("messages", "this model ships no chat template; use /v1/completions")
         messages = [m.model_dump() for m in request.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if isinstance(request.prompt, str):
-        return tokenizer(request.prompt)["input_ids"]
-    vocab_size = len(tokenizer)
-    if any(t < 0 or t >= vocab_size for t in request.prompt):
-        raise invalid_field("prompt", f"token ids must be in [0, {vocab_size})")
-    return list(request.prompt)
+    if isinstance(request.prompt, list):
+        return list(request.prompt)  # the engine checks the ids against its vocabulary
+    if tokenizer is None:
+        raise invalid_field("prompt", "this model ships no tokenizer; send the prompt as token ids")
+    return tokenizer(request.prompt)["input_ids"]
 
 
 def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int,

@@ -1,7 +1,7 @@
 """OpenAI API request and response schemas (pydantic), the subset this service implements.
 
-Requests forbid unknown fields only where a silent ignore would change the answer (`n`, `best_of`, `logprobs`, ...);
-fields clients commonly send and that do not change the output (`user`, `logit_bias` empty, ...) are accepted.
+Fields this service does not implement are refused where ignoring them would change the answer (`n` other than 1,
+`logprobs`, `tools`, ...); other unknown fields (`user`, `metadata`, ...) are accepted and ignored.
 """
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
+# Fields that change the answer, with the values that leave it unchanged (all that is accepted for them).
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "response_format": (None,),
+               "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
 
 
 class StreamOptions(BaseModel):
@@ -36,6 +40,15 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED.items():
+                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
+                    raise ValueError(f"{name} is not supported by this service")
+        return data
 
     @field_validator("n")
     @classmethod

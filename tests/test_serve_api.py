@@ -187,9 +187,9 @@ def test_context_length_error_code(url):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-async def _timed_post(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
+async def _timed(http: httpx.AsyncClient, method: str, path: str, body: dict | None = None):
     start = time.monotonic()
-    r = await http.post("/v1/completions", json=body)
+    r = await http.request(method, path, json=body)
     return r, time.monotonic() - start
 
 
@@ -199,21 +199,24 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            await asyncio.gather(*(http.get("/health") for _ in range(4 * SLOTS)))  # open the connections first
-            return await asyncio.gather(*(_timed_post(http, body) for _ in range(4 * SLOTS)))
+            await asyncio.gather(*(http.get("/health") for _ in range(6 * SLOTS)))  # open the connections first
+            trivial = [_timed(http, "GET", "/v1/models") for _ in range(2 * SLOTS)]
+            results = await asyncio.gather(*(_timed(http, "POST", "/v1/completions", body) for _ in range(4 * SLOTS)),
+                                           *trivial)
+            return results[:4 * SLOTS], results[4 * SLOTS:]
 
-    results = asyncio.run(burst())
+    results, trivial = asyncio.run(burst())
     ok = [r for r, _ in results if r.status_code == 200]
     refused = [(r, dt) for r, dt in results if r.status_code == 429]
     assert len(ok) == SLOTS and len(refused) == 3 * SLOTS, [r.status_code for r, _ in results]
     assert all(r.json()["usage"]["completion_tokens"] == 300 for r in ok)
     for r, _ in refused:
         assert r.headers["Retry-After"] and r.json()["error"]["type"] == "rate_limit_error"
-    # No 429 waits for capacity (max_waiting is 0): each costs only the trip through proxy and ingress, ~20-40 ms
-    # alone here. In this burst the 6 queue behind one another on the one core the engine leaves free (2-core
-    # machine): measured medians 40-140 ms, worst 210 ms. The bound below is that, not the 100 ms target.
-    latencies_ms = sorted(dt * 1000 for _, dt in refused)
-    assert latencies_ms[len(latencies_ms) // 2] < 150 and latencies_ms[-1] < 300, latencies_ms
+    # A 429 waits for nothing: it costs what a trivial request sent in the same burst costs (on an idle 2-core
+    # machine 30-110 ms, queued behind one another on the core the engine leaves free; more when other work runs).
+    refused_ms = sorted(dt * 1000 for _, dt in refused)
+    trivial_ms = sorted(dt * 1000 for _, dt in trivial)
+    assert refused_ms[len(refused_ms) // 2] <= trivial_ms[-1] + 50 and refused_ms[-1] < 1000, (refused_ms, trivial_ms)
     _assert_engine_drains(within_s=2.0)
 
 

@@ -48,7 +48,8 @@ async def _drain(agen):
 def test_request_schemas_refuse_what_they_cannot_honour():
     assert CompletionRequest(model="m", prompt="hi").n == 1
     for bad in ({"n": 2}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
-                {"stop": [""]}, {"echo": True}, {"prompt": ""}):
+                {"stop": [""]}, {"echo": True}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
+                {"presence_penalty": 0.5}, {"tools": [{"type": "function"}]}):
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     with pytest.raises(ValidationError):
@@ -56,6 +57,7 @@ def test_request_schemas_refuse_what_they_cannot_honour():
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
     assert CompletionRequest(model="m", prompt="hi", stop="x").stop == ["x"]
+    assert CompletionRequest(model="m", prompt="hi", logprobs=None, best_of=1, presence_penalty=0, user="u")
 
 
 def test_error_bodies_have_openai_shape():
