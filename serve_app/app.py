@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,14 @@ from ray.serve import Application
 
 from serve_app.engine_replica import EngineReplica
 from serve_app.ingress import Ingress
+from serve_app.limits import RequestLimits
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core.config import PRESETS
 
 logger = logging.getLogger("ray.serve")
 TINY_MODEL_DIR = Path(os.environ.get("SHADOWKV_CACHE", Path.home() / ".cache" / "shadowkv")) / "tiny-model"
 POLICY = "serve_app.autoscaling:memory_demand_policy"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]$")
 
 
 class AppArgs(BaseModel):
@@ -46,6 +49,10 @@ class AppArgs(BaseModel):
     max_waiting: int = Field(default=16, ge=0)  # requests waiting for room in the ingress, beyond that 429
     max_wait_s: float = Field(default=0.5, ge=0)  # the longest a request waits for room before its 429
     default_max_tokens: int = Field(default=256, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # beyond the context length's own bound
+    max_tokens_limit: int | None = Field(default=None, ge=1)  # the largest max_tokens a request may ask for
+    request_timeout_s: float = Field(default=600.0, gt=0)  # then the request is aborted: 408
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)  # larger request bodies: 413
 
 
 def resolve_model(args: AppArgs) -> str:
@@ -53,7 +60,7 @@ def resolve_model(args: AppArgs) -> str:
     the configured one is missing and the fallback is on."""
     path = Path(args.model).expanduser()
     if path.exists() or not args.tiny_model_fallback:
-        return str(path.resolve()) if path.exists() else args.model
+        return validated_model(path, args)
     from shadowkv_core.tiny_model import build_tiny_model
 
     if not (TINY_MODEL_DIR / "config.json").exists():
@@ -61,6 +68,20 @@ def resolve_model(args: AppArgs) -> str:
     logger.warning("MODEL NOT FOUND: %s does not exist (the project's small model is not shipped yet). Serving a "
                    "TINY RANDOM-WEIGHT model from %s instead: its output is meaningless text.", path, TINY_MODEL_DIR)
     return str(TINY_MODEL_DIR)
+
+
+def validated_model(path: Path, args: AppArgs) -> str:
+    """At build time: an existing directory must be a checkpoint (config.json, and weights unless load_format is
+    "dummy"); a missing one must be absolute (mounted where the replicas run; the loader checks it again there) and
+    free of "..", or else a well-formed hub id. Anything else fails before a replica starts."""
+    if path.is_dir():
+        weights = args.engine.get("load_format") == "dummy" or any(path.glob("*.safetensors"))
+        if not (path / "config.json").is_file() or not weights:
+            raise ValueError(f"model: {path} is not a checkpoint directory (config.json and *.safetensors)")
+        return str(path.resolve())
+    if ".." in path.parts or path.exists() or not (path.is_absolute() or HUB_ID.fullmatch(args.model)):
+        raise ValueError(f"model: {args.model!r} is neither a checkpoint directory nor a hub id (org/name)")
+    return args.model
 
 
 def shadowkv_config(spec: str | dict[str, Any] | None) -> ShadowKVConfig | None:
@@ -95,6 +116,8 @@ def build_app(raw_args: dict[str, Any]) -> Application:
     model = resolve_model(args)
     served_name = args.served_model_name or Path(args.model).name
     engine = EngineReplica.options(**replica_options(args)).bind(engine_config(args, model), served_name)
+    limits = RequestLimits(args.max_prompt_tokens, args.max_tokens_limit, args.request_timeout_s)
     return Ingress.bind(engine, max_waiting=args.max_waiting, max_wait_s=args.max_wait_s,
-                        default_max_tokens=args.default_max_tokens)
+                        default_max_tokens=args.default_max_tokens, limits=limits,
+                        max_body_bytes=args.max_body_bytes)
 

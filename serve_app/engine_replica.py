@@ -18,8 +18,10 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from serve_app import faults
 from serve_app.admission import Footprint
 from serve_app.errors import error_event
+from serve_app.metrics import process_rss_bytes
 from serve_app.replica_stream import RequestStream
 from serve_app.router import MemoryAwareRouter
 from shadowkv_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
@@ -102,7 +104,11 @@ class EngineReplica:
             self._held.pop(request_id, None)
 
     def stats(self) -> dict:
-        return {**self._stats, "num_held": len(self._held)}
+        return {**self._stats, "num_held": len(self._held), "rss_bytes": process_rss_bytes()}
+
+    def inject_fault(self, kind: str, value: float | str | None = None) -> None:
+        """Tests only: refused unless the replica's environment turns fault injection on (see serve_app.faults)."""
+        faults.inject(self.engine, kind, value)
 
     # ---- what Serve calls ------------------------------------------------------------------------------------
     def record_routing_stats(self) -> dict:

@@ -17,10 +17,12 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
+from serve_app.limits import RequestLimits, timed_out, until_deadline
 from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
+from serve_app.security import GuardSettings, RequestGuard, load_api_keys
 from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
 
 logger = logging.getLogger("ray.serve")
@@ -28,6 +30,8 @@ MODEL_INFO_TIMEOUT_S = 2.0
 
 api = FastAPI(title="ShadowKV Serve", description="OpenAI-compatible long-context LLM serving")
 install_error_handlers(api)
+GUARD = GuardSettings()  # API keys and body size limit: the Ingress sets them when it starts
+api.add_middleware(RequestGuard, settings=GUARD)
 
 
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, ray_actor_options={"num_cpus": 0},
@@ -35,7 +39,10 @@ install_error_handlers(api)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, limits: RequestLimits = RequestLimits(),
+                 max_body_bytes: int = 8 << 20):
+        GUARD.api_keys, GUARD.max_body_bytes = load_api_keys(), max_body_bytes
+        self.limits = limits
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.board = board_for(serve.get_replica_context().app_name, engine.deployment_name)
@@ -75,9 +82,11 @@ class Ingress:
         arrived = time.monotonic()
         await self._require_ready()
         self._check_model(request.model)
+        self.limits.check_request(request)
         self._refuse_early()
         prepared = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
                                            self.default_max_tokens)
+        self.limits.check_prompt(len(prepared.prompt_token_ids))
         gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
         await self._admit(request_id, gpu, host)
         events = self._events(request_id, prepared, gpu, host, arrived)
@@ -106,19 +115,21 @@ class Ingress:
 
     async def _events(self, request_id: str, prepared, gpu: int, host: int, arrived: float) -> AsyncIterator[dict]:
         """The replica's events for one request; records TTFT and inter-token latency, and on any exit (done,
-        error, client gone) cancels the replica-side generator and drops the reservation."""
+        error, client gone, deadline) cancels the replica-side generator and drops the reservation."""
         payload = {"request_id": request_id, "prompt_token_ids": prepared.prompt_token_ids,
                    "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host}
         stream = self.stream_engine.generate.remote(payload)
         last, finished = None, False
         try:
-            async for event in stream:
+            async for event in until_deadline(stream, arrived + self.limits.request_timeout_s):
                 now, count = time.monotonic(), event.get("num_new_tokens", 0)
                 if count:
                     self._observe_latency(now - (last or arrived), count, first=last is None)
                     last = now
                 finished = "error" in event or event["finished"]
                 yield event
+        except TimeoutError:
+            yield timed_out(self.limits.request_timeout_s)
         except BackPressureError:
             finished = True
             yield error_event(429, "the engine replicas' queues are full; retry later", type="rate_limit_error",

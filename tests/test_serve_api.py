@@ -2,18 +2,15 @@
 OpenAI client, greedy equality with `LLM.generate` (dense and ShadowKV), errors in OpenAI's shape, overload, client disconnect."""
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-import ray
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from ray import serve
 
-from serve_app.app import build_app
+from serve_fixtures import assert_engine_drains, engine_stats, local_service
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
 
@@ -25,21 +22,6 @@ LONG_PROMPT = "In the beginning there was a haystack. " * 8  # ~310 tokens: past
 SHADOWKV = {"rank": 16, "sparse_budget": 64, "outlier_chunks": 2, "min_context": 256, "decode_window": 64}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if httpx.get(f"{url}/health").status_code == 200:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the service never became healthy")
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / MODEL))
@@ -47,17 +29,10 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(model_path):
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": model_path, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
             "max_waiting": 0, "shadowkv": SHADOWKV, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    _wait_healthy(base)
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+    with local_service(args, APP) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +59,6 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(url):
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
 
         check()
-
-
-def _engine_stats() -> dict:
-    return serve.get_deployment_handle("EngineReplica", APP).stats.remote().result()
 
 
 def _chat_ids(llm, content: str) -> list[int]:
@@ -194,7 +165,7 @@ async def _timed(http: httpx.AsyncClient, method: str, path: str, body: dict | N
 
 
 def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
-    _assert_engine_drains(within_s=5.0)  # whatever earlier tests left has ended
+    assert_engine_drains(APP, within_s=5.0)  # whatever earlier tests left has ended
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
 
     async def burst():
@@ -217,7 +188,7 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
     refused_ms = sorted(dt * 1000 for _, dt in refused)
     trivial_ms = sorted(dt * 1000 for _, dt in trivial)
     assert refused_ms[len(refused_ms) // 2] <= trivial_ms[-1] + 50 and refused_ms[-1] < 1000, (refused_ms, trivial_ms)
-    _assert_engine_drains(within_s=2.0)
+    assert_engine_drains(APP, within_s=2.0)
 
 
 def test_client_disconnect_frees_resources_within_one_second(url):
@@ -226,18 +197,8 @@ def test_client_disconnect_frees_resources_within_one_second(url):
         assert r.status_code == 200
         chunks = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
         assert [next(chunks)["choices"][0]["finish_reason"] for _ in range(3)] == [None] * 3
-        stats = _engine_stats()
+        stats = engine_stats(APP)
         assert stats["num_running"] == 1 and stats["host_bytes_in_use"] > 0  # its values are in host pages
     dropped = time.monotonic()
-    _assert_engine_drains(within_s=1.0)
+    assert_engine_drains(APP, within_s=1.0)
     assert time.monotonic() - dropped < 1.0
-
-
-def _assert_engine_drains(within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    stats = _engine_stats()
-    while (stats["num_running"] or stats["num_held"] or stats["gpu_bytes_in_use"]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        stats = _engine_stats()
-    assert stats["num_running"] == stats["num_waiting"] == stats["num_held"] == 0, stats
-    assert stats["gpu_bytes_in_use"] == 0 and stats["host_bytes_in_use"] == 0, stats

@@ -41,7 +41,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model ships no tokenizer; pass token ids")
+            if not prompt.isascii() and not _is_unicode_text(prompt):
+                raise ValueError("prompt: must be valid Unicode text (it holds a lone surrogate)")
             return self.tokenizer(prompt)["input_ids"]
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -162,3 +166,12 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 **self.cache.stats()}
+
+
+def _is_unicode_text(text: str) -> bool:
+    """False for a string holding lone surrogates (no UTF-8 encoding exists; tokenizers refuse it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
