@@ -3,8 +3,8 @@
 RULER-style tasks (benchmarks/longctx_data.py, evaluation seeds, held-out text) at several contexts and a
 needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's
 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
-per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, with the keys at full rank so the
-chunks it picks are exact, as Quest reads them. Writes benchmarks/results/accuracy.json (a list of rows),
+per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
+rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys). Writes benchmarks/results/accuracy.json (a list of rows),
 accuracy.meta.json (command, device, versions, timings), accuracy.md and one NIAH heatmap PNG per method.
 
     python -m benchmarks.accuracy --model models/shadowkv-small --device cuda
@@ -34,21 +34,23 @@ HEATMAP_BUDGET = 0.0156
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 
 
-def shadowkv_config(model: str, context: int, budget: float, full_rank: bool) -> ShadowKVConfig:
-    """The method's cache config for one context length; budget is a fraction of the context."""
+def shadowkv_config(model: str, context: int, budget: float, rank_share: float = RANK_SHARE) -> ShadowKVConfig:
+    """The method's cache config for one context length; budget is a fraction of the context, rank_share one of
+    kv_heads*head_dim."""
     cfg = read_config(Path(model))
     width = cfg["num_key_value_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     chunk = 8
-    return ShadowKVConfig(rank=width if full_rank else round(RANK_SHARE * width), chunk_size=chunk,
+    return ShadowKVConfig(rank=max(1, round(rank_share * width)), chunk_size=chunk,
                           sparse_budget=max(1, round(budget * context / chunk)) * chunk,
                           outlier_chunks=OUTLIER_CHUNKS, local_chunks=4,
                           min_context=0, decode_window=128)
 
 
-def run(model: str, method: str, budget: float, samples: list, device: str) -> tuple[list[str], list[float]]:
+def run(model: str, method: str, budget: float, samples: list, device: str,
+        rank_share: float = RANK_SHARE) -> tuple[list[str], list[float]]:
     """Greedy completions of same-length samples with one method; and the hit rate of each decode step."""
     context = len(samples[0].prompt_ids)
-    config = None if method == "dense" else shadowkv_config(model, context, budget, full_rank=method == "quest")
+    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share)
     # The PyTorch reference decode path for every method (Quest's scorer needs it; the kernels equal it by test)
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=16,
               gpu_cache_gib=2, host_cache_gib=2, use_kernels=False)
@@ -86,7 +88,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                 log(f"time limit: stopped before {method} {budget} {task} {context}")
                 return rows
             began = time.time()
-            texts, hit_rates = run(args.model, method, budget, samples, args.device)
+            share = args.quest_rank_share if method == "quest" else args.rank_share
+            texts, hit_rates = run(args.model, method, budget, samples, args.device, share)
             base = {"task": task, "context": context, "method": method, "budget": budget,
                     "seconds": round(time.time() - began, 2)}
             if hit_rates:
@@ -109,7 +112,7 @@ def _nearest(args, sample) -> float:
 
 def sample_groups(args) -> dict[tuple, list]:
     groups = {(task, c): [make_sample(task, c, seed) for seed in range(args.samples)]
-              for c in args.contexts for task in TASKS}
+              for c in args.contexts for task in args.tasks}
     for c in args.niah_contexts:  # depths as asked: the grid's needles sit where the table says
         groups[("niah_grid", c)] = [make_sample("niah_single", c, 10_000 + seed, depth=depth)
                                     for depth in args.niah_depths for seed in range(args.niah_samples)]
@@ -168,6 +171,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/shadowkv-small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--rank-share", type=float, default=RANK_SHARE, help="ShadowKV's rank / (kv_heads*head_dim)")
+    parser.add_argument("--quest-rank-share", type=float, default=1.0,
+                        help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384])
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.005, 0.0156, 0.03, 0.06])

@@ -75,7 +75,7 @@ def compare(dense: dict, sparse: dict) -> dict:
 
 
 def engine(model: str, device: str, context: int, steps: int, budget: float | None) -> LLM:
-    config = None if budget is None else shadowkv_config(model, context, budget, full_rank=False)
+    config = None if budget is None else shadowkv_config(model, context, budget)
     return LLM(model=model, device=device, shadowkv=config, max_model_len=context + steps + 1, max_num_seqs=1,
                gpu_cache_gib=1, host_cache_gib=1, use_kernels=False)
 
