@@ -189,7 +189,7 @@ def main() -> None:
     start = time.time()
     save = lambda rows: (out_dir / "accuracy.json").write_text(json.dumps(rows, indent=1))  # noqa: E731
     rows = score_rows(args, sample_groups(args), save, lambda msg: print(msg, flush=True))
-    meta = {"command": "python -m benchmarks.accuracy " + " ".join(sys.argv[1:]), "device": _device(args.device),
+    meta = {"command": "python -m benchmarks.accuracy " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1), "model": args.model}
     (out_dir / "accuracy.meta.json").write_text(json.dumps(meta, indent=1))
@@ -199,7 +199,7 @@ def main() -> None:
     print(table)
 
 
-def _device(device: str) -> str:
+def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

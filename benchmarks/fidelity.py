@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import shadowkv_config
+from benchmarks.accuracy import device_name, shadowkv_config
 from benchmarks.longctx_data import BOS, load_corpus
 from shadowkv_core import LLM
 from shadowkv_core.attention import AttentionMetadata
@@ -103,7 +103,7 @@ def main() -> None:
                 r = rows[-1]
                 print(f"{context:6d} seed {seed} budget {budget:.4f}: top-1 {r['top1_agreement']:5.1f} % "
                       f"hit {r['hit_rate']:.2f} cosine per layer {r['layer_cosine']}", flush=True)
-    meta = {"command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]), "device": args.device,
+    meta = {"command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1)}
     Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
