@@ -4,8 +4,9 @@ RULER-style tasks (benchmarks/longctx_data.py, evaluation seeds, held-out text) 
 needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's
 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
 per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
-rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys). Writes benchmarks/results/accuracy.json (a list of rows),
-accuracy.meta.json (command, device, versions, timings), accuracy.md and one NIAH heatmap PNG per method.
+rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys).
+Writes benchmarks/results/accuracy.json (a list of rows), accuracy.meta.json (command, device, versions, timings),
+accuracy.md and one NIAH heatmap PNG per method.
 
     python -m benchmarks.accuracy --model models/shadowkv-small --device cuda
 """

@@ -182,7 +182,8 @@ this project for retrieval over long contexts (up to 16K tokens) on licences, De
 sources plus the synthetic tasks of `benchmarks/longctx_data.py`. It knows nothing else: use it to measure what a
 sparse KV cache keeps, not as an assistant. Weights in bfloat16.
 
-Trained with `{command}` ({info['steps']} of {info['planned_steps']} steps, {info['seconds']:.0f} s on {info['device']}).
+Trained with `{command}`
+({info['steps']} of {info['planned_steps']} steps, {info['seconds']:.0f} s on {info['device']}).
 
 Dense greedy scores (0-100) on held-out text and evaluation seeds, transformers, bfloat16:
 

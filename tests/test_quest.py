@@ -1,7 +1,10 @@
 """Quest's chunk scores bound every key's logit in the chunk, are exact for one-token chunks, and plug into the cache."""
 import torch
 
-from shadowkv_core.shadowkv.quest import chunk_bounds, quest_scores
+from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core.tiny_model import build_tiny_model
+
+from shadowkv_core.shadowkv.quest import QuestScorer, chunk_bounds, quest_scores
 
 
 def _inputs(n=12, C=8, Hq=6, Hkv=2, d=16, seed=0):
@@ -28,3 +31,15 @@ def test_one_token_chunks_score_their_exact_logit():
     assert scores[1, 3] == float("-inf")
     excluded_free = ~excluded
     torch.testing.assert_close(scores[excluded_free], exact[excluded_free])
+
+
+def test_quest_scorer_in_the_cache_at_full_budget_and_rank_equals_dense(tmp_path):
+    model = str(build_tiny_model(tmp_path / "tiny"))
+    prompt, params = list(range(40, 240)) * 2, SamplingParams(max_tokens=8, temperature=0)
+    dense = LLM(model=model).generate([prompt], params)[0].token_ids
+    config = ShadowKVConfig(rank=32, chunk_size=8, sparse_budget=512, outlier_chunks=2, local_chunks=4, min_context=0,
+                            decode_window=64)  # rank 32 = 2 KV heads x 16: exact keys; the budget takes every chunk
+    llm = LLM(model=model, shadowkv=config)
+    scorer = llm.engine.cache.chunk_scorer = QuestScorer()
+    assert llm.generate([prompt], params)[0].token_ids == dense
+    assert len(scorer.bounds) == 2  # one entry per layer of the one sequence
