@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import random
 import sys
 import time
@@ -196,6 +197,7 @@ Dense greedy scores (0-100) on held-out text and evaluation seeds, transformers,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models/shadowkv-small")
+    parser.add_argument("--results", default="benchmarks/results/train_small_model.json", help="dense scores (JSON)")
     parser.add_argument("--corpus-file", default=None, help="frozen haystack text (longctx_data --write-corpus)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -218,8 +220,8 @@ def main() -> None:
     save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights
     rows = dense_eval(model, args.eval_contexts, args.eval_samples, args.device)
     (Path(args.out) / "README.md").write_text(model_card(command, info, rows))
-    (Path(args.out).parent / "train_eval.json").write_text(json.dumps({"command": command, **info, "rows": rows},
-                                                                      indent=1))
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    Path(args.results).write_text(json.dumps({"command": command, **info, "versions": versions, "rows": rows}, indent=1))
     log(f"{'task':20s} " + " ".join(f"{c:>6d}" for c in args.eval_contexts))
     for task in TASKS:
         log(f"{task:20s} " + " ".join(f"{r['score']:6.1f}" for r in rows if r["task"] == task))
