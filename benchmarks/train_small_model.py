@@ -221,7 +221,8 @@ def main() -> None:
     rows = dense_eval(model, args.eval_contexts, args.eval_samples, args.device)
     (Path(args.out) / "README.md").write_text(model_card(command, info, rows))
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    Path(args.results).write_text(json.dumps({"command": command, **info, "versions": versions, "rows": rows}, indent=1))
+    result = {"command": command, **info, "versions": versions, "rows": rows}
+    Path(args.results).write_text(json.dumps(result, indent=1))
     log(f"{'task':20s} " + " ".join(f"{c:>6d}" for c in args.eval_contexts))
     for task in TASKS:
         log(f"{task:20s} " + " ".join(f"{r['score']:6.1f}" for r in rows if r["task"] == task))
