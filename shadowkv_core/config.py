@@ -19,7 +19,8 @@ class ShadowKVConfig:
 
     rank: kept rank of the pre-RoPE key factorisation over all KV heads of a layer concatenated.
     chunk_size: tokens per chunk. sparse_budget: tokens selected per KV head per decode step.
-    outlier_chunks / local_chunks: chunks kept exact on the GPU. min_context: prompts shorter than this stay dense.
+    outlier_chunks / local_chunks: chunks kept exact on the GPU. min_context: a sequence whose prompt and generation
+    fit in this many tokens stays dense (see stays_dense).
     decode_window: generated tokens kept exact; when full, its older half is folded into the shadow.
     page_chunks: chunks per page of U rows, landmarks and host values (the unit of allocation).
     """
@@ -47,6 +48,11 @@ class ShadowKVConfig:
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,
                  f"decode_window ({self.decode_window}) must be a positive multiple of 2*chunk_size "
                  f"({2 * self.chunk_size}): its older half is folded into the shadow chunk by chunk")
+
+    def stays_dense(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Short sequences keep a dense cache: ShadowKV pays off on long contexts only. Decided on the whole length,
+        so a short prompt with a long generation is kept in shadows from the start (its window folds as it grows)."""
+        return prompt_len + max_new_tokens <= self.min_context
 
     @property
     def budget_chunks(self) -> int:

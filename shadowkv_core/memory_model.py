@@ -138,7 +138,7 @@ def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tok
               block_size: int = 16) -> SeqBytes:
     """What one sequence of `context` prompt tokens and up to `max_new_tokens` generated ones holds."""
     tokens = context + max_new_tokens
-    if cfg is None or context < cfg.min_context:
+    if cfg is None or cfg.stays_dense(context, max_new_tokens):
         return SeqBytes(dense_seq_bytes(g, tokens, block_size), 0)
     pages = shadow_pages(cfg, tokens)
     return SeqBytes(slot_bytes(g, cfg) + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
@@ -165,7 +165,7 @@ class Pools:
 def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, max_num_seqs: int,
                block_size: int = 16) -> Pools:
     """Split a cache budget: a dense engine takes it all in blocks. A ShadowKV engine takes max_num_seqs slots,
-    dense blocks for max_num_seqs sequences just under min_context (those stay dense), and GPU shadow pages with the
+    dense blocks for max_num_seqs sequences of min_context tokens (those stay dense), and GPU shadow pages with the
     rest; host pages as many as its host budget holds."""
     block = dense_block_bytes(g, block_size)
     if cfg is None:
@@ -183,13 +183,19 @@ def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, 
     return batch * need.gpu, batch * need.host
 
 
-def mem_available_bytes() -> int:
-    """The host's MemAvailable: what a replica's value store may draw on, less headroom (never MemTotal)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Host memory a replica's value store may draw on: MemAvailable, capped by the container's cgroup (v2) limit
+    less its usage, since inside a container /proc/meminfo shows the whole node (never MemTotal)."""
+    available = None
+    for line in proc.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        raise RuntimeError(f"{proc} has no MemAvailable line")
+    limit, usage = cgroup / "memory.max", cgroup / "memory.current"
+    if limit.is_file() and usage.is_file() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(usage.read_text()))
+    return available
 
 
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
@@ -230,7 +236,7 @@ def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_
     if cfg is None:
         return seq_bytes(g, None, context, max_new_tokens, block_size)
     reserved = slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
-    if context < cfg.min_context:
+    if cfg.stays_dense(context, max_new_tokens):
         return SeqBytes(reserved, 0)
     pages = shadow_pages(cfg, context + max_new_tokens)
     return SeqBytes(reserved + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))

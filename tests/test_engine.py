@@ -186,3 +186,24 @@ def test_the_triton_decode_path_generates_what_the_reference_path_does(tiny_path
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in dense_llm.generate(prompts, params)]
     assert fast.engine.stats()["hit_rate"] > 0
+
+
+def test_streamed_text_never_shows_the_start_of_a_stop_string(llm):
+    prompt = prompts_of_lengths([10], seed=5)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    stop = free[3:6]
+    engine = llm.engine
+    engine.add_request("held", prompt, SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o.text for o in engine.step() if o.request_id == "held"]
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), seen  # streamed text only ever grows
+    assert seen[-1] == free[:free.index(stop)]
+
+
+def test_a_short_prompt_with_a_long_generation_is_kept_in_shadows(tiny_path, dense_llm):
+    shadow = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01, shadowkv=FULL_SHADOW)
+    prompt = prompts_of_lengths([6], seed=19)[0]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)  # 46 tokens > min_context (16)
+    assert shadow.engine.can_admit(6, 40)
+    assert shadow.generate([prompt], params)[0].token_ids == dense_llm.generate([prompt], params)[0].token_ids

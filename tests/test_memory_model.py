@@ -94,3 +94,18 @@ def test_pool_budget_for_a_batch_holds_exactly_that_batch():
     pages = mm.shadow_pages(cfg, 122880 + 64)
     assert pools.num_gpu_pages == pools.num_host_pages == 7 * pages
     assert pools.gpu_bytes(G8B, cfg, 16) == gpu and pools.host_bytes(G8B, cfg) == host
+
+
+def test_host_memory_available_respects_the_container_limit(tmp_path):
+    proc = tmp_path / "meminfo"
+    proc.write_text("MemTotal:       263000000 kB\nMemAvailable:   200000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert mm.mem_available_bytes(proc, cgroup) == 200000000 * 1024  # no cgroup files: the node's figure
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert mm.mem_available_bytes(proc, cgroup) == 200000000 * 1024  # unlimited
+    (cgroup / "memory.max").write_text(f"{160 * mm.GIB}\n")
+    (cgroup / "memory.current").write_text(f"{10 * mm.GIB}\n")
+    assert mm.mem_available_bytes(proc, cgroup) == 150 * mm.GIB
+    assert 0 < mm.mem_available_bytes()  # this machine

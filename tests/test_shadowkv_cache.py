@@ -117,7 +117,8 @@ def test_ragged_batch_mixing_dense_and_shadow_sequences():
     cache = make_cache(full_config(min_context=30))
     worst = generate(cache, prompt_lens=[37, 12, 50, 29], steps=12)
     assert worst < 1e-5
-    assert set(cache.seqs) == {0, 2} and cache.stats()["num_seqs"] == 4
+    # Only the 12-token prompt fits in min_context with its generation: 29 + 12 steps does not, so it is in shadows.
+    assert set(cache.seqs) == {0, 2, 3} and cache.stats()["num_seqs"] == 4
 
 
 def test_no_outliers_and_prompt_shorter_than_local_chunks():

@@ -1,5 +1,5 @@
 """Build the engine's KV cache for a model, its pools sized by the memory model: dense paged, or ShadowKV with a
-dense cache for sequences shorter than ShadowKVConfig.min_context."""
+dense cache for sequences that fit in ShadowKVConfig.min_context tokens."""
 from __future__ import annotations
 
 import logging

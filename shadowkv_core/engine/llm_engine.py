@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from .. import memory_model as mm
 from ..config import EngineConfig
 from ..models import load_model, load_tokenizer
 from .cache_factory import build_cache
@@ -41,7 +42,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model ships no tokenizer; pass token ids")
-            if not prompt.isascii() and not _is_unicode_text(prompt):
+            if not prompt.isascii() and not is_unicode_text(prompt):
                 raise ValueError("prompt: must be valid Unicode text (it holds a lone surrogate)")
             return self.tokenizer(prompt)["input_ids"]
         if not isinstance(prompt, (list, tuple)):
@@ -130,11 +131,13 @@ class LLMEngine:
         params = seq.params
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         length = len(seq.output_token_ids) >= params.max_tokens
-        seq.text = self._detokenize(seq, final=stopped or length)
+        text = self._detokenize(seq, final=stopped or length)
         for stop in params.stop:
-            at = seq.text.find(stop)
+            at = text.find(stop)
             if at >= 0:
-                seq.text, stopped = seq.text[:at], True
+                text, stopped = text[:at], True
+        # Text that may be the start of a stop string waits: streamed text is never taken back.
+        seq.text = text if stopped or length else text[:len(text) - _stop_prefix_len(text, params.stop)]
         if stopped or length:
             seq.finish("stop" if stopped else "length")
             self._release(seq)
@@ -153,6 +156,15 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     # ---- what the server asks ----------------------------------------------------------------------------
+    @property
+    def geometry(self) -> mm.Geometry:
+        """The model's geometry for the memory model (what a request will cost, what a replica holds)."""
+        return mm.Geometry.from_spec(self.spec, next(self.model.parameters()).dtype)
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a request of this shape could start now: its pool has room for everything it will need."""
+        return self.cache.can_allocate(prompt_len, max_tokens)
+
     def footprint(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
         return self.cache.footprint(prompt_len, max_tokens)
@@ -168,10 +180,15 @@ class LLMEngine:
                 **self.cache.stats()}
 
 
-def _is_unicode_text(text: str) -> bool:
+def is_unicode_text(text: str) -> bool:
     """False for a string holding lone surrogates (no UTF-8 encoding exists; tokenizers refuse it)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string (0 if none)."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)

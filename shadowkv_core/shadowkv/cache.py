@@ -1,6 +1,6 @@
 """ShadowKVCache: the KVCache interface over the shadow (DESIGN.md's data path), ragged batches, per-sequence state.
 
-Sequences shorter than `config.min_context` stay in a composed dense cache; the others are kept in shadows: prefill
+Sequences that fit in `config.min_context` tokens stay in a composed dense cache; the others are kept in shadows: prefill
 factorises their keys, finds landmarks and outliers and sends values to the host; each decode step selects chunks,
 rebuilds/fetches the misses (layer.py) and attends over [outliers | selected | local + generated]. When the window
 of exact tokens is full its older half is folded into the shadow, so generation is bounded only by the pages
@@ -45,7 +45,7 @@ class BatchSplit:
 class ShadowKVCache(KVCache):
     """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `config.page_chunks`
     chunks. `rotary` is the model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
-    sequences shorter than config.min_context."""
+    sequences that fit in config.min_context tokens."""
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
@@ -79,24 +79,22 @@ class ShadowKVCache(KVCache):
         """GPU pages (U rows + landmarks) and, as many, host value pages of one sequence."""
         return math.ceil((prompt_len + max_new_tokens) / self.gpu.page_tokens)
 
-    def is_dense(self, prompt_len: int) -> bool:
-        return prompt_len < self.config.min_context
 
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
-        if self.is_dense(prompt_len):
+        if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.can_allocate(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
         return self.slots.num_free >= 1 and self.gpu.num_free >= n and self.host.num_free >= n
 
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
-        if self.is_dense(prompt_len):
+        if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.fits_when_empty(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
         return n <= self.gpu.num_pages and n <= self.host.num_pages
 
     def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
         """(device bytes, host bytes) reserved by `allocate`: pages, plus the slot on the device."""
-        if self.is_dense(prompt_len):
+        if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.footprint(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
         return n * self.gpu.page_bytes + self.slots.slot_bytes, n * self.host.page_bytes
@@ -105,7 +103,7 @@ class ShadowKVCache(KVCache):
         """Reserve the slot and every page the sequence can need; MemoryError, nothing reserved, if they don't fit."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already holds a ShadowKV slot")
-        if self.is_dense(prompt_len):
+        if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.allocate(seq_id, prompt_len, max_new_tokens)
         if not self.can_allocate(prompt_len, max_new_tokens):
             raise MemoryError(
