@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shadowkv_core.engine.llm_engine import is_unicode_text
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
@@ -17,6 +19,16 @@ MAX_STOP_LENGTH = 256
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "response_format": (None,),
                "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
+
+
+def _unicode_text(text: str) -> str:
+    """JSON may escape lone surrogates (\\ud800): such a string has no UTF-8 form, and no tokenizer takes it."""
+    if not is_unicode_text(text):
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +46,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stop: Text | list[Text] | None = Field(default=None, validate_default=True)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -73,7 +85,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Text | list[int] = Field(min_length=1)
     echo: bool = False
 
     @field_validator("echo")
@@ -86,7 +98,7 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class ChatCompletionRequest(_SamplingFields):
