@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
@@ -134,7 +135,7 @@ class Ingress:
             finished = True
             yield error_event(429, "the engine replicas' queues are full; retry later", type="rate_limit_error",
                               code="rate_limit_exceeded")
-        except RayServeException as exc:  # the replica died or became unreachable mid-request
+        except (RayServeException, RayActorError) as exc:  # the replica died or became unreachable mid-request
             logger.warning("request %s failed in the engine replica: %r", request_id, exc)
             finished = True
             yield error_event(503, "the engine replica serving this request failed; retry", type="server_error",
