@@ -125,7 +125,7 @@ def markdown(rows: list[dict], budgets: list[float]) -> str:
     cols = methods(budgets)
     head = "| task | " + " | ".join(f"{m} {b:.2%}" if m != "dense" else "dense" for m, b in cols) + " |"
     lines = [head, "|---" * (len(cols) + 1) + "|"]
-    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)] + ["niah_grid"]
+    tasks = [t for t in (*TASKS, "niah_grid") if any(r["task"] == t for r in rows)]
     for task in tasks + ["average (tasks)"]:
         chosen = [r for r in rows if r["task"] == task or (task.startswith("average") and r["task"] in TASKS)]
         cells = [_mean(r["score"] for r in chosen if (r["method"], r["budget"]) == col) for col in cols]
