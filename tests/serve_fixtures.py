@@ -1,69 +1,14 @@
-"""What the tests that run a real local Ray Serve instance share: a loopback port, starting the service and
-waiting until it is healthy, and reading the engine replicas' state."""
+"""What the tests that run a real local Ray Serve instance share (the service itself: benchmarks/local_service.py)."""
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import time
-from typing import Iterator
+from benchmarks.local_service import engine_stats, local_service, wait_drained, wait_healthy
 
-import httpx
-import ray
-from ray import serve
-
-from serve_app.app import build_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float = 60.0, replicas: int = 1) -> None:
-    """Until /health answers 200 with `replicas` engine replicas reported."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{url}/health")
-        if r.status_code == 200 and r.json()["replicas"] >= replicas:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the service never became healthy")
-
-
-@contextlib.contextmanager
-def local_service(args: dict, app: str, env: dict[str, str] | None = None, replicas: int = 1) -> Iterator[str]:
-    """Ray (2 CPUs, no dashboard) and Serve on a free loopback port, the app built from `args`; yields its base URL.
-    `env` reaches the replicas (Ray's workers inherit the driver's environment when Ray starts)."""
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=app, route_prefix="/")
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, replicas=replicas)
-        yield base
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
-
-
-def engine_stats(app: str) -> dict:
-    return serve.get_deployment_handle("EngineReplica", app).stats.remote().result()
+__all__ = ["assert_engine_drains", "engine_stats", "local_service", "wait_healthy"]
 
 
 def assert_engine_drains(app: str, within_s: float) -> dict:
     """The engine (one replica) ends every request and frees every byte within `within_s`; returns its stats."""
-    deadline = time.monotonic() + within_s
-    stats = engine_stats(app)
-    while (stats["num_running"] or stats["num_held"] or stats["gpu_bytes_in_use"]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        stats = engine_stats(app)
+    stats = wait_drained(app, within_s)
     assert stats["num_running"] == stats["num_waiting"] == stats["num_held"] == 0, stats
     assert stats["gpu_bytes_in_use"] == 0 and stats["host_bytes_in_use"] == 0, stats
     return stats
