@@ -6,7 +6,7 @@ breaks off or outlives `--request-timeout-s` is lost, and the run fails if any i
 and inter-token latency. Without --url it serves --config (configs/local.yaml) itself, then also records the engine's
 GPU/host bytes in use and process RSS before, after the load, and after it drained:
     python -m benchmarks.load --duration-s 180 --concurrency 8
-Writes benchmarks/results/load.json.
+Writes benchmarks/results/load.json (--out).
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ async def run_load(cfg: LoadConfig) -> dict:
             outcome = await one_request(http, request_body(cfg, rng), cfg.request_timeout_s)
             outcomes.append(outcome)
             if outcome.kind == "refused":
-                await asyncio.sleep(0.05)  # full: the service said so; come back shortly
+                await asyncio.sleep(0.25)  # full: the service said so; come back shortly
 
     async with httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=timeout, limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(cfg.concurrency)))
@@ -180,11 +180,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--stream-share", type=float, default=0.7)
     parser.add_argument("--warmup-requests", type=int, default=20, help="sent (and not counted) before the baseline")
+    parser.add_argument("--out", default="load.json", help="under benchmarks/results/")
     args = parser.parse_args()
     load = {"duration_s": args.duration_s, "max_requests": args.max_requests, "concurrency": args.concurrency,
             "stream_share": args.stream_share}
     result = serve_and_load(args.config, load, args.warmup_requests)
-    path = write_json("load.json", [], **result)
+    path = write_json(args.out, [], **result)
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1), f"\nwritten to {path}")
     if result["lost"]:
         raise SystemExit(f"{result['lost']} requests lost")
