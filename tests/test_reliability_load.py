@@ -47,6 +47,7 @@ def test_mixed_load_loses_nothing_and_returns_every_byte(url):
     assert summary["ok"] >= 10 and summary["wall_s"] < LOAD_S + 60, summary
     assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p99"] is not None, summary
     assert_engine_drains(APP, within_s=5.0)
+    print(f"load: {summary}")
 
 
 def test_soak_shows_no_leak(url):
@@ -55,5 +56,6 @@ def test_soak_shows_no_leak(url):
     summary = _load(url, duration_s=max(600, SOAK_REQUESTS), max_requests=SOAK_REQUESTS, stream_share=0.5)
     assert summary["requests"] == SOAK_REQUESTS and summary["lost"] == 0 and summary["error"] == 0, summary
     after = assert_engine_drains(APP, within_s=5.0)["rss_bytes"]
+    print(f"soak: {summary}; engine RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")  # the figures docs record
     assert after - before < RSS_GROWTH_LIMIT, (before, after)
     assert engine_stats(APP)["num_held"] == 0
