@@ -1,6 +1,6 @@
 """Test-only fault injection into an engine replica, off unless SHADOWKV_TEST_FAULTS=1 is in the replica's
 environment (tests set it before Ray starts; no config file or request can): the reliability tests use it to fail
-one forward, slow the steps down, or end the replica's process mid-stream."""
+one forward or slow the steps down (a replica's death they cause with ray.kill)."""
 from __future__ import annotations
 
 import os
@@ -16,15 +16,13 @@ def enabled() -> bool:
 
 def inject(engine, kind: str, value: float | str | None = None) -> None:
     """kind "fail_forward" (value: one of FORWARDS): its next call raises; "step_delay" (value: seconds, 0 to stop):
-    every step sleeps first; "exit": the process ends at once, as a crash would."""
+    every step sleeps first."""
     if not enabled():
         raise PermissionError(f"fault injection is off (set {ENV}=1 in the replica's environment, in tests only)")
     if kind == "fail_forward" and value in FORWARDS:
         _fail_once(engine.runner, value)
     elif kind == "step_delay":
         _delay_steps(engine, float(value))
-    elif kind == "exit":
-        os._exit(1)
     else:
         raise ValueError(f"unknown fault {kind!r} ({value!r})")
 

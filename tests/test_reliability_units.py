@@ -72,7 +72,7 @@ def test_trust_remote_code_is_never_enabled(tiny_model, monkeypatch):
 def test_fault_hooks_are_off_by_default(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     with pytest.raises(PermissionError):
-        faults.inject(object(), "exit")
+        faults.inject(object(), "step_delay", 1.0)
 
 
 ODD_TEXT = st.one_of(st.text(max_size=40), st.just("\udcff\ud800"), st.binary(max_size=20).map(
