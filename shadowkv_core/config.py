@@ -80,7 +80,8 @@ class EngineConfig:
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
-    use_kernels: decode ShadowKV sequences on the Triton kernels; None: on CUDA yes, elsewhere the PyTorch reference.
+    use_kernels: decode on the Triton kernels (dense paged and ShadowKV); None: on CUDA yes, elsewhere the PyTorch
+        reference.
     """
 
     model: str

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kernels.decode_attention import decode_attention
+
 from .attention import AttentionMetadata, KVCache, attention_ref, prefill_attention_ref
 
 
@@ -31,7 +33,8 @@ class BlockAllocator:
 
 class DenseKVCache(KVCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, scale: float, prefill_chunk_tokens: int = 8192):
+                 dtype: torch.dtype, device: torch.device | str, scale: float, prefill_chunk_tokens: int = 8192,
+                 use_kernels: bool | None = None):
         self.block_size = block_size
         self.scale = scale
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -43,6 +46,9 @@ class DenseKVCache(KVCache):
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[int, torch.Tensor] | None = None
+        # Decode on the Triton paged flash-decoding kernel by default on CUDA; the PyTorch reference elsewhere.
+        self.use_kernels = torch.device(device).type == "cuda" if use_kernels is None else use_kernels
+        self._decode_plan: tuple[AttentionMetadata, tuple] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -86,6 +92,8 @@ class DenseKVCache(KVCache):
         rows = self._write_rows(meta)
         self.k[layer, rows] = k_rot
         self.v[layer, rows] = v
+        if self.use_kernels and not meta.is_prefill:
+            return self._decode_fast(layer, q, meta)
         out = torch.empty_like(q)
         for start, n, seq_id, ctx in zip(meta.query_starts, meta.query_lens, meta.seq_ids, meta.context_lens):
             q_i = q[start:start + n]  # (n, Hq, d)
@@ -98,10 +106,26 @@ class DenseKVCache(KVCache):
                                                  self.scale, causal=True)
         return out
 
+    def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
+        if self._decode_plan is None or self._decode_plan[0] is not meta:
+            tables = [self.block_tables[s] for s in meta.seq_ids]
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
+            slots = torch.zeros(len(tables), dtype=torch.int32)
+            self._decode_plan = (meta, (table.to(q.device), lens.to(q.device), slots.to(q.device),
+                                        max(meta.context_lens) + 1))
+        table, lens, slots, max_len = self._decode_plan[1]
+        pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
+        return decode_attention(q.contiguous(), [pool], slots, self.scale, max_len, page_table=table,
+                                page_size=self.block_size)
+
     def finish_forward(self, meta):
         for seq_id, n in zip(meta.seq_ids, meta.query_lens):
             self.lengths[seq_id] += n
         self._rows_cache = None
+        self._decode_plan = None
 
     def stats(self):
         used = self.blocks.num_blocks - self.blocks.num_free

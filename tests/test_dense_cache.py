@@ -7,18 +7,20 @@ from shadowkv_core.dense_cache import DenseKVCache
 HQ, HKV, D = 4, 2, 8
 
 
-def make_cache(num_blocks=16, block_size=4):
+def make_cache(num_blocks=16, block_size=4, use_kernels=False):
     return DenseKVCache(num_layers=2, num_kv_heads=HKV, head_dim=D, num_blocks=num_blocks, block_size=block_size,
-                        dtype=torch.float32, device="cpu", scale=D ** -0.5, prefill_chunk_tokens=5)
+                        dtype=torch.float32, device="cpu", scale=D ** -0.5, prefill_chunk_tokens=5,
+                        use_kernels=use_kernels)
 
 
 def random_qkv(t):
     return torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
 
 
-def test_ragged_prefill_then_decode_matches_full_attention():
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
+def test_ragged_prefill_then_decode_matches_full_attention(use_kernels):
     torch.manual_seed(0)
-    cache = make_cache()
+    cache = make_cache(use_kernels=use_kernels)
     lens = [7, 3, 11]
     for i, n in enumerate(lens):
         cache.allocate(i, n, 6)

@@ -177,15 +177,16 @@ def test_a_long_prefill_advances_layer_by_layer_while_decodes_keep_running(tiny_
     assert cache_is_empty(engine)
 
 
-def test_the_triton_decode_path_generates_what_the_reference_path_does(tiny_path, dense_llm):
+@pytest.mark.parametrize("shadowkv", [FULL_SHADOW, None], ids=["shadowkv", "dense"])
+def test_the_triton_decode_path_generates_what_the_reference_path_does(tiny_path, dense_llm, shadowkv):
     # On CPU the kernels run in Triton's interpreter (tests/conftest.py): slow, so a short run.
     prompts = prompts_of_lengths([70, 33], seed=17)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    fast = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=FULL_SHADOW,
+    fast = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=shadowkv,
                use_kernels=True)
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in dense_llm.generate(prompts, params)]
-    assert fast.engine.stats()["hit_rate"] > 0
+    assert shadowkv is None or fast.engine.stats()["hit_rate"] > 0
 
 
 def test_streamed_text_never_shows_the_start_of_a_stop_string(llm):

@@ -43,7 +43,7 @@ def host_cache_bytes(config: EngineConfig, wanted: int) -> int:
 
 def _dense(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, num_blocks: int) -> DenseKVCache:
     return DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size, dtype,
-                        device, spec.attention_scale, config.prefill_chunk_tokens)
+                        device, spec.attention_scale, config.prefill_chunk_tokens, config.use_kernels)
 
 
 def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, rotary) -> KVCache:
