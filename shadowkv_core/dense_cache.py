@@ -45,7 +45,7 @@ class DenseKVCache(KVCache):
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize  # K and V
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
-        self._rows_cache: tuple[int, torch.Tensor] | None = None
+        self._rows_cache: tuple[AttentionMetadata, torch.Tensor] | None = None
         # Decode on the Triton paged flash-decoding kernel by default on CUDA; the PyTorch reference elsewhere.
         self.use_kernels = torch.device(device).type == "cuda" if use_kernels is None else use_kernels
         self._decode_plan: tuple[AttentionMetadata, tuple] | None = None
@@ -82,10 +82,11 @@ class DenseKVCache(KVCache):
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.k.device)
 
     def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
-        # The same rows serve every layer of a forward: build them once per metadata object.
-        if self._rows_cache is None or self._rows_cache[0] != id(meta):
+        # The same rows serve every layer of a forward: build them once per metadata object (held, not its id: a
+        # forward that failed never reached finish_forward, and a new object may reuse a freed one's id).
+        if self._rows_cache is None or self._rows_cache[0] is not meta:
             rows = [self.token_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]
-            self._rows_cache = (id(meta), torch.cat(rows))
+            self._rows_cache = (meta, torch.cat(rows))
         return self._rows_cache[1]
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
