@@ -12,19 +12,27 @@ from .attention import AttentionMetadata, KVCache, attention_ref, prefill_attent
 
 
 class BlockAllocator:
-    """Free list of fixed-size blocks (or pages); CPU bookkeeping only."""
+    """Free list of fixed-size units (KV blocks, shadow pages, host pages, slots); CPU bookkeeping only.
+    unit_bytes and `what` (e.g. "pages of 128 tokens") make its counters and its refusal speak in the caller's terms."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, unit_bytes: int = 0, what: str = "blocks"):
         self.num_blocks = num_blocks
+        self.unit_bytes = unit_bytes
+        self.what = what
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def bytes_in_use(self) -> int:
+        return (self.num_blocks - self.num_free) * self.unit_bytes
+
     def alloc(self, n: int) -> list[int]:
+        """n units, or a MemoryError naming what is missing (and nothing allocated)."""
         if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} of {self.num_blocks} free")
+            raise MemoryError(f"need {n} {self.what}, {len(self._free)} of {self.num_blocks} free")
         return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
@@ -41,8 +49,8 @@ class DenseKVCache(KVCache):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)  # blocks flattened to token rows
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.blocks = BlockAllocator(num_blocks)
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize  # K and V
+        self.blocks = BlockAllocator(num_blocks, self.block_bytes, f"KV blocks of {block_size} tokens")
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[AttentionMetadata, torch.Tensor] | None = None
@@ -129,11 +137,10 @@ class DenseKVCache(KVCache):
         self._decode_plan = None
 
     def stats(self):
-        used = self.blocks.num_blocks - self.blocks.num_free
         return {
             "num_seqs": len(self.block_tables),
-            "gpu_blocks_used": used,
-            "gpu_bytes_in_use": used * self.block_bytes,
+            "gpu_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
+            "gpu_bytes_in_use": self.blocks.bytes_in_use,
             "gpu_bytes_total": self.blocks.num_blocks * self.block_bytes,
             "host_bytes_in_use": 0,
             "host_bytes_total": 0,

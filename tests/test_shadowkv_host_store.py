@@ -15,7 +15,7 @@ def test_pages_alloc_free_and_bytes():
     assert store.page_bytes == 2 * 8 * 2 * 4 * 4 and store.num_free == 6 and store.bytes_in_use == 0
     a = store.alloc(4)
     assert len(set(a)) == 4 and store.num_free == 2 and store.bytes_in_use == 4 * store.page_bytes
-    with pytest.raises(MemoryError, match="need 3 pages of 8 tokens, 2 of 6 free"):
+    with pytest.raises(MemoryError, match="need 3 pages of 8 tokens in the host value store, 2 of 6 free"):
         store.alloc(3)
     assert store.num_free == 2  # nothing allocated by the refusal
     store.free(a)

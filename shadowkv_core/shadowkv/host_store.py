@@ -19,7 +19,7 @@ from shadowkv_core.shadowkv.reference import gather_values
 OS_PAGE = 4096
 
 
-class HostValueStore:
+class HostValueStore(BlockAllocator):
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None):
         self.page_tokens = page_tokens
@@ -29,7 +29,8 @@ class HostValueStore:
         self.placement = placement
         self.numa_bound = False
         self.values = self._allocate_region()  # (L, num_pages, page_tokens, Hkv, d)
-        self.pages = BlockAllocator(num_pages)
+        page_bytes = num_layers * page_tokens * num_kv_heads * head_dim * dtype.itemsize  # values, every layer
+        super().__init__(num_pages, page_bytes, f"pages of {page_tokens} tokens in the host value store")
 
     def _allocate_region(self) -> torch.Tensor:
         """The one host allocation of the store, bound to the GPU's NUMA node before anything touches it. Pinned
@@ -52,31 +53,11 @@ class HostValueStore:
 
     @property
     def num_pages(self) -> int:
-        return self.shape[1]
-
-    @property
-    def num_free(self) -> int:
-        return self.pages.num_free
+        return self.num_blocks
 
     @property
     def page_bytes(self) -> int:
-        """Values of one page, every layer."""
-        L, _, page_tokens, Hkv, d = self.shape
-        return L * page_tokens * Hkv * d * self.dtype.itemsize
-
-    @property
-    def bytes_in_use(self) -> int:
-        return (self.num_pages - self.num_free) * self.page_bytes
-
-    def alloc(self, n: int) -> list[int]:
-        """n pages, or a MemoryError naming what is missing (and nothing allocated)."""
-        if n > self.num_free:
-            raise MemoryError(f"host value store: need {n} pages of {self.page_tokens} tokens, "
-                              f"{self.num_free} of {self.num_pages} free")
-        return self.pages.alloc(n)
-
-    def free(self, pages: list[int]) -> None:
-        self.pages.free(pages)
+        return self.unit_bytes
 
     def write(self, layers: slice | int, table: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Values ([L,] n, Hkv, d) of tokens [start, start + n) of the sequence whose page table (CPU) is `table`."""

@@ -16,7 +16,7 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
     return table[rows // page_rows], rows % page_rows
 
 
-class GpuPages:
+class GpuPages(BlockAllocator):
     def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.page_chunks = page_chunks
@@ -24,32 +24,16 @@ class GpuPages:
         self.u = torch.zeros(num_layers, num_pages, self.page_tokens, rank, dtype=dtype, device=device)
         self.landmarks = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, head_dim, dtype=dtype,
                                      device=device)
-        self.pages = BlockAllocator(num_pages)
+        page_bytes = (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()
+        super().__init__(num_pages, page_bytes, f"GPU shadow pages of {self.page_tokens} tokens")
 
     @property
     def num_pages(self) -> int:
-        return self.pages.num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return self.pages.num_free
+        return self.num_blocks
 
     @property
     def page_bytes(self) -> int:
-        return (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()
-
-    @property
-    def bytes_in_use(self) -> int:
-        return (self.num_pages - self.num_free) * self.page_bytes
-
-    def alloc(self, n: int) -> list[int]:
-        if n > self.num_free:
-            raise MemoryError(f"GPU shadow pages: need {n} pages of {self.page_tokens} tokens, "
-                              f"{self.num_free} of {self.num_pages} free")
-        return self.pages.alloc(n)
-
-    def free(self, pages: list[int]) -> None:
-        self.pages.free(pages)
+        return self.unit_bytes
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
         """U rows (n, r) of tokens [start, start + n)."""

@@ -54,7 +54,7 @@ class Slots:
             setattr(self, name, torch.zeros((max_num_seqs, *shape), dtype=dt, device=device))
         self.buffers = [getattr(self, name) for name in specs]
         self.slot_bytes = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
-        self.slots = BlockAllocator(max_num_seqs)
+        self.slots = BlockAllocator(max_num_seqs, self.slot_bytes, "ShadowKV slots")
 
     @staticmethod
     def buffer_specs(num_layers: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
@@ -82,7 +82,7 @@ class Slots:
 
     @property
     def bytes_in_use(self) -> int:
-        return (self.num_slots - self.num_free) * self.slot_bytes
+        return self.slots.bytes_in_use
 
     def alloc(self) -> int:
         slot = self.slots.alloc(1)[0]
