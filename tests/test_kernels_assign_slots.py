@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, slot_ids_for
+from test_kernels_utils import DEVICE, LLAMA, assert_close, ragged_lengths, slot_ids_for
 from kernels.assign_slots import assign_slots
 from shadowkv_core.shadowkv.batched_reference import assign_slots_batched, miss_lists_batched
 
@@ -53,6 +53,5 @@ def test_assign_slots_small(num_chunks, Hkv, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 32), (128 * 1024, 4)])
 def test_assign_slots_llama(context, batch):
-    g = torch.Generator().manual_seed(batch)
-    num_chunks = [int(context // LLAMA["chunk_size"] * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    num_chunks = ragged_lengths(context // LLAMA["chunk_size"], batch, seed=batch)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["budget_chunks"], "cuda", steps=2)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, slot_ids_for
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, slot_ids_for
 from kernels.decode_attention import decode_attention
 from shadowkv_core.shadowkv.batched_reference import (dense_decode_attention_batched,
                                                       sparse_decode_attention_batched)
@@ -75,6 +75,5 @@ def test_sparse_decode_attention_llama(batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 8), (128 * 1024, 2)])
 def test_dense_decode_attention_llama(context, batch):
-    g = torch.Generator().manual_seed(batch)
-    lens = [int(context * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    lens = ragged_lengths(context, batch, seed=batch)
     _check_dense(lens, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], 16, torch.bfloat16, "cuda")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, random_misses, slot_ids_for
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, random_misses, slot_ids_for
 from kernels.fetch_values import fetch_values
 from shadowkv_core.shadowkv.batched_reference import gather_values_batched
 
@@ -32,8 +32,7 @@ def test_fetch_values_small(num_chunks, Hkv, K, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 32), (128 * 1024, 4)])
 def test_fetch_values_llama(context, batch):
-    g = torch.Generator().manual_seed(batch)
     C = LLAMA["chunk_size"]
-    num_chunks = [int(context // C * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
            "cuda")

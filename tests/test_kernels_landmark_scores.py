@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, slot_ids_for
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, slot_ids_for
 from kernels.landmark_scores import landmark_scores
 from shadowkv_core.shadowkv.batched_reference import landmark_scores_batched
 
@@ -45,7 +45,6 @@ def test_landmark_scores_small(num_chunks, Hq, Hkv, dtype):
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 16), (128 * 1024, 4)])
 def test_landmark_scores_llama(context, batch):
     C = LLAMA["chunk_size"]
-    g = torch.Generator().manual_seed(batch)
-    num_chunks = [int(context // C * f) for f in torch.empty(batch).uniform_(0.5, 1.0, generator=g)]
+    num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
            torch.bfloat16, "cuda")

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from test_kernels_utils import (DEVICE, LLAMA, LLAMA3_SCALING, assert_close, page_tables, random_misses,
-                                rotary_for_tests, slot_ids_for)
+from test_kernels_utils import (DEVICE, LLAMA, LLAMA3_SCALING, assert_close, page_tables, ragged_lengths,
+                               random_misses, rotary_for_tests, slot_ids_for)
 from kernels.rebuild_keys import rebuild_keys
 from shadowkv_core.shadowkv.batched_reference import rebuild_keys_batched
 
@@ -46,8 +46,7 @@ def test_rebuild_keys_far_positions():
 @pytest.mark.gpu
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 32), (128 * 1024, 4)])
 def test_rebuild_keys_llama(context, batch):
-    g = torch.Generator().manual_seed(batch)
     C = LLAMA["chunk_size"]
-    num_chunks = [int(context // C * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+    num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["rank"], LLAMA["budget_chunks"], C, 128,
            torch.bfloat16, "cuda", scaling=LLAMA3_SCALING)

@@ -45,6 +45,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     pytest.fail(f"{name}: {len(bad)} of {ok.numel()} elements differ (atol {atol}, rtol {rtol}):\n" + "\n".join(lines))
 
 
+def ragged_lengths(longest: int, batch: int, seed: int) -> list[int]:
+    """`batch` lengths drawn uniformly between half of `longest` and `longest` (a ragged batch at real sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(longest * f) for f in torch.empty(batch).uniform_(0.5, 1, generator=g)]
+
+
 def page_tables(rows_per_seq: list[int], page_rows: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """Each sequence's pages scattered at random over one pool -> table (B, max_pages) int32, pool pages."""
     pages = [max(1, -(-n // page_rows)) for n in rows_per_seq]

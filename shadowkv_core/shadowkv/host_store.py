@@ -11,15 +11,14 @@ import weakref
 
 import torch
 
-from shadowkv_core.dense_cache import BlockAllocator
 from shadowkv_core.numa import NumaPlacement, load_libnuma
-from shadowkv_core.shadowkv.pages import locate
+from shadowkv_core.shadowkv.pages import PagePool, locate
 from shadowkv_core.shadowkv.reference import gather_values
 
 OS_PAGE = 4096
 
 
-class HostValueStore(BlockAllocator):
+class HostValueStore(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None):
         self.page_tokens = page_tokens
@@ -50,14 +49,6 @@ class HostValueStore(BlockAllocator):
             raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
         self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
         return region[:nbytes].view(self.dtype).view(self.shape)
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_blocks
-
-    @property
-    def page_bytes(self) -> int:
-        return self.unit_bytes
 
     def write(self, layers: slice | int, table: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Values ([L,] n, Hkv, d) of tokens [start, start + n) of the sequence whose page table (CPU) is `table`."""

@@ -16,7 +16,19 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
     return table[rows // page_rows], rows % page_rows
 
 
-class GpuPages(BlockAllocator):
+class PagePool(BlockAllocator):
+    """A pool of fixed-size pages of a sequence's tokens (GPU shadow pages, host value pages)."""
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_blocks
+
+    @property
+    def page_bytes(self) -> int:
+        return self.unit_bytes
+
+
+class GpuPages(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.page_chunks = page_chunks
@@ -26,14 +38,6 @@ class GpuPages(BlockAllocator):
                                      device=device)
         page_bytes = (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()
         super().__init__(num_pages, page_bytes, f"GPU shadow pages of {self.page_tokens} tokens")
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_blocks
-
-    @property
-    def page_bytes(self) -> int:
-        return self.unit_bytes
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
         """U rows (n, r) of tokens [start, start + n)."""
