@@ -172,24 +172,20 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
 
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            await asyncio.gather(*(http.get("/health") for _ in range(6 * SLOTS)))  # open the connections first
-            trivial = [_timed(http, "GET", "/v1/models") for _ in range(2 * SLOTS)]
-            results = await asyncio.gather(*(_timed(http, "POST", "/v1/completions", body) for _ in range(4 * SLOTS)),
-                                           *trivial)
-            return results[:4 * SLOTS], results[4 * SLOTS:]
+            await asyncio.gather(*(http.get("/health") for _ in range(4 * SLOTS)))  # open the connections first
+            return await asyncio.gather(*(_timed(http, "POST", "/v1/completions", body) for _ in range(4 * SLOTS)))
 
-    results, trivial = asyncio.run(burst())
-    ok = [r for r, _ in results if r.status_code == 200]
+    results = asyncio.run(burst())
+    ok = [(r, dt) for r, dt in results if r.status_code == 200]
     refused = [(r, dt) for r, dt in results if r.status_code == 429]
     assert len(ok) == SLOTS and len(refused) == 3 * SLOTS, [r.status_code for r, _ in results]
-    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in ok)
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r, _ in ok)
     for r, _ in refused:
         assert r.headers["Retry-After"] and r.json()["error"]["type"] == "rate_limit_error"
-    # A 429 waits for nothing: it costs what a trivial request sent in the same burst costs (on an idle 2-core
-    # machine 30-110 ms, queued behind one another on the core the engine leaves free; more when other work runs).
-    refused_ms = sorted(dt * 1000 for _, dt in refused)
-    trivial_ms = sorted(dt * 1000 for _, dt in trivial)
-    assert refused_ms[len(refused_ms) // 2] <= trivial_ms[-1] + 50 and refused_ms[-1] < 1000, (refused_ms, trivial_ms)
+    # Refused at once, not after waiting for room: every 429 is back long before any admitted request ends. (Its
+    # latency on 2 shared cores is a measurement, in docs/reliability.md, not something a test can bound tightly.)
+    slowest_refusal, fastest_completion = max(dt for _, dt in refused), min(dt for _, dt in ok)
+    assert slowest_refusal < 1.0 and slowest_refusal < fastest_completion / 4, (slowest_refusal, fastest_completion)
     assert_engine_drains(APP, within_s=2.0)
 
 
