@@ -52,6 +52,7 @@ class DenseKVCache(KVCache):
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize  # K and V
         self.blocks = BlockAllocator(num_blocks, self.block_bytes, f"KV blocks of {block_size} tokens")
         self.block_tables: dict[int, list[int]] = {}
+        self._table_tensors: dict[int, torch.Tensor] = {}  # (blocks,) int32 per sequence, for the decode plan
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[AttentionMetadata, torch.Tensor] | None = None
         # Decode on the Triton paged flash-decoding kernel by default on CUDA; the PyTorch reference elsewhere.
@@ -74,20 +75,22 @@ class DenseKVCache(KVCache):
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already holds cache blocks")
         self.block_tables[seq_id] = self.blocks.alloc(self.blocks_needed(prompt_len + max_new_tokens))
+        self._table_tensors[seq_id] = torch.tensor(self.block_tables[seq_id], dtype=torch.int32)
         self.lengths[seq_id] = 0
 
     def free(self, seq_id: int) -> None:
         self.blocks.free(self.block_tables.pop(seq_id))
-        del self.lengths[seq_id]
+        del self.lengths[seq_id], self._table_tensors[seq_id]
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self.block_tables
 
     def token_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Row indices into the flattened pool of the sequence's tokens [start, end)."""
-        table = torch.tensor(self.block_tables[seq_id], dtype=torch.int64)
+        first = start // self.block_size  # only the blocks these tokens occupy: a decode token's one block
+        table = torch.tensor(self.block_tables[seq_id][first:-(-end // self.block_size)], dtype=torch.int64)
         pos = torch.arange(start, end)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.k.device)
+        return (table[pos // self.block_size - first] * self.block_size + pos % self.block_size).to(self.k.device)
 
     def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
         # The same rows serve every layer of a forward: build them once per metadata object (held, not its id: a
@@ -118,11 +121,9 @@ class DenseKVCache(KVCache):
     def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
         if self._decode_plan is None or self._decode_plan[0] is not meta:
-            tables = [self.block_tables[s] for s in meta.seq_ids]
-            width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            table = torch.nn.utils.rnn.pad_sequence([self._table_tensors[s] for s in meta.seq_ids], batch_first=True)
             lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
-            slots = torch.zeros(len(tables), dtype=torch.int32)
+            slots = torch.zeros(len(meta.seq_ids), dtype=torch.int32)
             self._decode_plan = (meta, (table.to(q.device), lens.to(q.device), slots.to(q.device),
                                         max(meta.context_lens) + 1))
         table, lens, slots, max_len = self._decode_plan[1]
