@@ -1,0 +1,377 @@
+"""Decode throughput and latency at long context: our dense path, ShadowKV and Hugging Face transformers, random
+weights of a real geometry (Llama-3.1-8B by default), against DESIGN.md's performance model.
+
+Per context: each engine is sized by the memory model for its largest batch (ShadowKV: host memory included); one
+prompt is prefilled (TTFT: prefill of one sequence on an idle engine, ShadowKV's factorisation, landmarks, outliers
+and host offload included), then its whole cache state is copied into the other sequences of the batch (a benchmark
+shortcut: every sequence holds the same prompt, so every sequence selects the same chunks) and the batch decodes a
+fixed number of steps at each batch size of the sweep (clones added as the batch grows). Step time = inter-token
+latency of every sequence; tokens/s = batch / step time. The per-step breakdown comes from torch.profiler (device time
+per kernel group). Ceilings are measured in the same run (device-to-device copy, pinned host-to-device copy).
+
+    PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
+    (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import hf_baseline, step_breakdown
+from benchmarks.memory_model import LLAMA_31_8B, TINY, TINY_SHADOWKV, _spec, non_torch_gpu_bytes, write_config
+from benchmarks.perf_model import ceilings, dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
+from benchmarks.report import RESULTS, print_table, write_json
+from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core import memory_model as mm
+from shadowkv_core.engine.sequence import SequenceStatus
+from shadowkv_core.shadowkv.cache import ShadowKVCache
+
+COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
+           "peak_host_gib", "hit_rate", "x_floor"]
+
+
+def geometry_config(name: str, max_len: int) -> dict:
+    """A Hugging Face config of the named geometry (Llama architecture and RoPE; mm.PRESETS' sizes), positions up
+    to max_len. Only the sizes matter for speed."""
+    if name == "tiny":
+        return {**TINY, "max_position_embeddings": max(max_len, 2048)}
+    g = mm.PRESETS[name]
+    return {**LLAMA_31_8B, "num_hidden_layers": g.num_layers, "num_attention_heads": g.num_q_heads,
+            "num_key_value_heads": g.num_kv_heads, "head_dim": g.head_dim, "hidden_size": g.hidden_size,
+            "intermediate_size": g.intermediate_size, "vocab_size": g.vocab_size,
+            "max_position_embeddings": max(LLAMA_31_8B["max_position_embeddings"], max_len)}
+
+
+# ---- engines --------------------------------------------------------------------------------------------------
+def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
+                 device: str) -> LLMEngine:
+    """An engine whose pools hold exactly `batch` sequences of context + max_new tokens (the memory model's sizes)."""
+    if cfg is None:
+        gpu, host = batch * mm.engine_seq_bytes(g, None, context, max_new).gpu, None
+    else:
+        gpu, host_bytes = mm.pool_budget_for(g, cfg, batch, context, max_new)
+        host = host_bytes / mm.GIB
+    return LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype_for(device)).removeprefix("torch."),
+                                  load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
+                                  max_model_len=context + max_new, max_prefill_tokens=context,
+                                  gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host))
+
+
+def dtype_for(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def warm_up(engine: LLMEngine, context: int) -> None:
+    """Compile and cache every kernel on a shorter prompt (long enough to be kept in shadows), then free it."""
+    prompt = [i % engine.spec.vocab_size for i in range(min(context, 8192) - 1)]
+    engine.add_request("warm-up", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def prefill(engine: LLMEngine, prompt: list[int], max_new: int, device: str) -> float:
+    """Seconds to the first token of one request on an idle engine."""
+    sync(device)
+    start = time.perf_counter()
+    engine.add_request("r0", prompt, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+    while not engine.requests["r0"].output_token_ids:
+        engine.step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def clone_request(engine: LLMEngine, src_id: str, request_id: str) -> None:
+    """A new running request holding a copy of `src_id`'s prompt, tokens and cache state (no prefill)."""
+    src = engine.requests[src_id]
+    engine.add_request(request_id, src.prompt_token_ids, src.params)
+    seq = engine.requests[request_id]
+    engine.scheduler.waiting.remove(seq)
+    engine.cache.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
+    copy_cache_state(engine.cache, src.seq_id, seq.seq_id)
+    seq.output_token_ids = list(src.output_token_ids)
+    seq.status = SequenceStatus.RUNNING
+    engine.scheduler.running.append(seq)
+
+
+def copy_cache_state(cache, src: int, dst: int) -> None:
+    """Everything the cache holds for sequence `src`, into `dst` (allocated for the same shape)."""
+    if isinstance(cache, ShadowKVCache) and src in cache.seqs:
+        a, b = cache.seqs[src], cache.seqs[dst]
+        for buf in cache.slots.buffers:  # (slots, ...)
+            buf[b.slot] = buf[a.slot]
+        for pa, pb in zip(a.gpu_pages, b.gpu_pages):  # (L, pages, ...)
+            cache.gpu.u[:, pb] = cache.gpu.u[:, pa]
+            cache.gpu.landmarks[:, pb] = cache.gpu.landmarks[:, pa]
+        for pa, pb in zip(a.host_pages, b.host_pages):
+            cache.host.values[:, pb] = cache.host.values[:, pa]
+        b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers
+        return
+    dense = cache.dense if isinstance(cache, ShadowKVCache) else cache
+    rows_a, rows_b = (dense.token_rows(s, 0, dense.lengths[src]) for s in (src, dst))
+    for layer in range(dense.k.shape[0]):  # one layer at a time: no whole-cache temporary
+        dense.k[layer, rows_b] = dense.k[layer, rows_a]
+        dense.v[layer, rows_b] = dense.v[layer, rows_a]
+    dense.lengths[dst] = dense.lengths[src]
+
+
+def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tuple[list[float], list[float]]:
+    """Step times (s) and hit rates of `steps` decode steps of the whole running batch, after `warmup` steps."""
+    times, hits = [], []
+    for i in range(warmup + steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            hits.append(engine.stats().get("hit_rate", 1.0))
+    return times, hits
+
+
+def random_prompt(vocab_size: int, context: int) -> list[int]:
+    return torch.randint(0, vocab_size, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q))
+
+
+# ---- one method at one context --------------------------------------------------------------------------------
+def row_for(run: dict, method: str, batch: int, times: list[float], ttft: float, peak_gpu: int, peak_host: int,
+            hit_rate: float | None, floor_s: float) -> dict:
+    step = percentile(times, 0.5)
+    return {"device": run["device"], "model": run["model"], "context": run["context"], "method": method,
+            "batch": batch, "decode_tok_s": batch * len(times) / sum(times), "ttft_s": ttft,
+            "itl_p50_ms": 1e3 * step, "itl_p99_ms": 1e3 * percentile(times, 0.99), "steps": len(times),
+            "peak_gpu_gib": peak_gpu / mm.GIB, "peak_host_gib": peak_host / mm.GIB, "hit_rate": hit_rate,
+            "floor_ms": 1e3 * floor_s, "x_floor": step / floor_s}
+
+
+def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int]) -> list[dict]:
+    """Prefill one prompt, clone it up the batch sweep, time decode at each batch (and profile where asked)."""
+    g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
+    cfg = run["shadowkv"] if method == "shadowkv" else None
+    engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device)
+    try:
+        warm_up(engine, context)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        prompt = random_prompt(g.vocab_size, context)
+        ttft = prefill(engine, prompt, args.max_new_tokens, device)
+        rows = []
+        for batch in batches:
+            while len(engine.requests) < batch:
+                clone_request(engine, "r0", f"r{len(engine.requests)}")
+            times, hits = time_decode(engine, args.steps, args.warmup_steps, device)
+            hit = sum(hits) / len(hits) if cfg is not None else None
+            floor = (dense_floor_s(g, context, batch, run["copy_bps"]) if cfg is None else
+                     shadowkv_floor_s(g, cfg, context, batch, hit, run["copy_bps"], run["h2d_bps"]))
+            peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
+            row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
+            row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            if batch in profile_at:
+                row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
+            rows.append(row)
+            print_table([row], COLUMNS)
+        return rows
+    finally:
+        engine.close()
+        del engine
+        release(device)
+
+
+def run_hf(run: dict, max_batch: int) -> list[dict]:
+    g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
+    model = hf_baseline.load(run["config_dir"], dtype_for(device), device)
+    try:
+        prompt = random_prompt(g.vocab_size, context)
+        hf_baseline.prefill(model, prompt[:min(context, 8192) - 1], device)  # warm-up, as the engines have
+        ttft, token, prefix = hf_baseline.prefill(model, prompt, device)
+        release(device)
+        results = hf_baseline.sweep(model, prefix, token, max_batch, args.steps, args.warmup_steps, device)
+        rows = [row_for(run, "hf", b, times, ttft, peak, 0, None, dense_floor_s(g, context, b, run["copy_bps"]))
+                for b, times, peak in results]
+        print_table(rows, COLUMNS)
+        return rows
+    finally:
+        del model
+        release(device)
+
+
+def release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sweep_batches(largest: int, *extra: int) -> list[int]:
+    """Powers of two below `largest`, the extra batches below it, and `largest`."""
+    powers = {2 ** i for i in range(largest.bit_length()) if 2 ** i < largest}
+    return sorted(powers | {b for b in extra if b < largest} | {largest})
+
+
+# ---- summary, plot, main --------------------------------------------------------------------------------------
+def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]:
+    """Per model and context: the best row of each method (most tokens/s), and the ratios the acceptance names."""
+    out = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        best = {}
+        for r in rows:
+            if (r["model"], r["context"]) == (model, context) and \
+                    r["decode_tok_s"] > best.get(r["method"], {}).get("decode_tok_s", 0):
+                best[r["method"]] = r
+        s = {"model": model, "context": context,
+             "infinite_memory_tok_s": infinite_memory_tok_s(geometries[model], context, copy_bps)}
+        for method, r in best.items():
+            s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
+        sk, dense, hf = best.get("shadowkv"), best.get("dense"), best.get("hf")
+        if sk and dense:
+            s["shadowkv_over_dense"] = sk["decode_tok_s"] / dense["decode_tok_s"]
+            s["prefill_overhead"] = sk["ttft_s"] / dense["ttft_s"] - 1
+            s["dense_x_roofline"] = dense["x_floor"]
+        if sk and hf:
+            s["shadowkv_over_hf"] = sk["decode_tok_s"] / hf["decode_tok_s"]
+        if sk:
+            s["shadowkv_over_infinite"] = sk["decode_tok_s"] / s["infinite_memory_tok_s"]
+        out.append(s)
+    return out
+
+
+def plot(rows: list[dict], summary: list[dict], path: Path) -> Path | None:
+    """Throughput against batch, one panel per context; the infinite-memory full-attention bound dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("matplotlib missing: no plot (replot from the JSON with --replot)", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 3.6), squeeze=False)
+    for ax, s in zip(axes[0], summary):
+        for method, style in (("dense", "o-"), ("shadowkv", "s-"), ("hf", "^-")):
+            pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows
+                         if (r["model"], r["context"], r["method"]) == (s["model"], s["context"], method))
+            if pts:
+                ax.plot(*zip(*pts), style, label=method)
+        ax.axhline(s["infinite_memory_tok_s"], ls="--", c="gray", label="full attention, infinite memory")
+        ax.set(title=f"{s['model']}, {s['context']:,} tokens", xlabel="batch", ylabel="decode tokens/s", xscale="log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def progress(tasks: list):
+    """tqdm if it is installed, else one stderr line per task."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(tasks, desc="throughput", file=sys.stderr)
+    except ImportError:
+        return (print(f"[{i + 1}/{len(tasks)}] {t}", file=sys.stderr) or t for i, t in enumerate(tasks))
+
+
+def merge_decode_step(path: Path, rows: list[dict], context: int = 122880, batch: int = 8) -> dict | None:
+    """The whole ShadowKV decode step (issue 5's `decode_step` row) into kernels.json, replacing an older one."""
+    found = [r for r in rows if (r["method"], r["context"], r["batch"]) == ("shadowkv", context, batch)]
+    if not found or not path.is_file():
+        return None
+    r = found[0]
+    row = {"kernel": "decode_step", "device": r["device"], "time_ms": r["itl_p50_ms"], "floor_ms": r["floor_ms"],
+           "time_over_floor": r["x_floor"], "batch": batch, "context": context, "hit_rate": r["hit_rate"],
+           "model": r["model"], "note": "whole step (all layers, weights, MLP, sampling), eager, from "
+                                         "benchmarks/throughput.py; floor per DESIGN.md at the measured hit rate"}
+    data = json.loads(path.read_text())
+    data["rows"] = [x for x in data["rows"] if x.get("kernel") != "decode_step"] + [row]
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return row
+
+
+def plan(method: str, dense_max: int, shadow_max: int) -> tuple[list[int], set[int]]:
+    """Batches to time and those to profile: dense and HF up to their largest batch; ShadowKV up to its own,
+    through the dense largest batch and 8 (issue 5's decode step)."""
+    if method == "shadowkv":
+        return sweep_batches(shadow_max, dense_max, 8), {dense_max, shadow_max, 8} - {0}
+    return sweep_batches(dense_max), {dense_max} if method == "dense" else set()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b", choices=[*mm.PRESETS, "tiny"], help="geometry")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 61440, 122880])
+    parser.add_argument("--methods", nargs="+", default=["dense", "shadowkv", "hf"], choices=["dense", "shadowkv", "hf"])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="what each sequence reserves")
+    parser.add_argument("--max-batch", type=int, default=1 << 20, help="cap on every batch (short runs)")
+    parser.add_argument("--gpu-util", type=float, default=0.9, help="share of GPU memory the memory model may plan")
+    parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="throughput.json", help="relative paths land in benchmarks/results/")
+    parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
+                        help="where the decode_step row (ShadowKV, 122K, batch 8) is merged")
+    parser.add_argument("--replot", default=None, help="only redraw the PNG from this JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        print(plot(data["rows"], data["summary"], Path(args.replot).with_suffix(".png")))
+        return data
+    cuda = args.device == "cuda"
+    config_dir = write_config(geometry_config(args.model, max(args.contexts) + args.max_new_tokens))
+    g = mm.Geometry.from_spec(_spec(config_dir), dtype_for(args.device))
+    cfg = TINY_SHADOWKV if args.model == "tiny" else ShadowKVConfig()
+    copy_bps, h2d_bps = ceilings(args.device)
+    gpu_total = int((torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB) * args.gpu_util)
+    host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    rows, failures, summary = [], [], []
+    for context, method in progress([(c, m) for c in args.contexts for m in args.methods]):
+        dense_max, shadow_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens),
+                                     args.max_batch) for c in (None, cfg))
+        batches, profile_at = plan(method, dense_max, shadow_max)
+        run = dict(device=device_name, model=args.model, context=context, geometry=g, shadowkv=cfg, args=args,
+                   config_dir=config_dir, device_kind=args.device, copy_bps=copy_bps, h2d_bps=h2d_bps)
+        steps = len(batches) * (args.steps + args.warmup_steps) + len(profile_at) * args.profile_steps
+        if not batches or batches[0] < 1 or steps >= args.max_new_tokens:
+            failures.append({"context": context, "method": method, "error": f"batches {batches}, {steps} steps"})
+            continue
+        try:
+            rows += run_hf(run, dense_max) if method == "hf" else run_engine(run, method, batches, profile_at)
+        except Exception as exc:  # one failed configuration is recorded; the others still run
+            failures.append({"context": context, "method": method, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)
+        summary = summarize(rows, copy_bps, {args.model: g})
+        path = write_json(args.out, rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
+                          h2d_gbps=h2d_bps / 1e9, gpu_plan_bytes=gpu_total, host_plan_bytes=host,
+                          shadowkv=dataclasses.asdict(cfg))
+    png = plot(rows, summary, path.with_suffix(".png")) if rows else None
+    decode_step = merge_decode_step(Path(args.kernels_json), rows) if args.model == "llama-3.1-8b" else None
+    print(f"wrote {path}, {png}; decode_step row: {decode_step}")
+    print_table(rows, COLUMNS)
+    print_table(summary, list(dict.fromkeys(k for s in summary for k in s)))
+    return {"rows": rows, "summary": summary, "failures": failures}
+
+
+if __name__ == "__main__":
+    main()
