@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from shadowkv_core.shadowkv.host_store import HostValueStore
+from shadowkv_core.shadowkv.host_store import HostValueStore, page_runs
+from shadowkv_core.shadowkv.pages import locate
 
 
 def make_store(num_pages=6, pin=False):
@@ -31,6 +32,38 @@ def test_write_then_gather_through_the_page_table():
     store.write(slice(None), table, 2, values)
     got = store.gather(1, table, chunk_ids=torch.tensor([1, 4]), heads=torch.tensor([0, 1]), chunk_size=4)
     torch.testing.assert_close(got, torch.stack([values[1, 2:6, 0], values[1, 14:18, 1]]))
+
+
+def test_page_runs_merge_consecutive_physical_pages_only():
+    # logical pages 0..4 -> physical 5, 6, 2, 3, 0; rows [3, 37) of pages of 8 rows
+    assert page_runs([5, 6, 2, 3, 0], 3, 34, 8) == [(5, 3, 13), (2, 0, 16), (0, 0, 5)]
+    assert page_runs([4], 1, 2, 8) == [(4, 1, 2)]
+    assert page_runs([1, 2], 8, 0, 8) == []
+
+
+@pytest.mark.parametrize("start,n", [(0, 48), (5, 30), (13, 1), (16, 17)])
+def test_write_lands_every_row_where_the_page_table_says(start, n):
+    torch.manual_seed(start)
+    store = make_store(num_pages=8)
+    table = torch.tensor([6, 7, 2, 3, 4, 0])  # runs and breaks
+    values = torch.randn(2, n, 2, 4)
+    store.write(slice(None), table, start, values)
+    store.write(1, table, start, values[1] * 2)  # one layer
+    page, offset = locate(table, torch.arange(start, start + n), 8)
+    torch.testing.assert_close(store.values[0, page, offset], values[0])
+    torch.testing.assert_close(store.values[1, page, offset], values[1] * 2)
+
+
+@pytest.mark.gpu
+def test_write_from_the_device_is_seen_by_gather():
+    torch.manual_seed(1)
+    store = make_store(pin=True)
+    table = torch.tensor(store.alloc(3)[::-1])
+    values = torch.randn(2, 24, 2, 4, device="cuda")
+    store.write(slice(None), table, 0, values)
+    got = store.gather(0, table, chunk_ids=torch.tensor([0, 5]), heads=torch.tensor([1, 0]), chunk_size=4)
+    torch.testing.assert_close(got, torch.stack([values[0, 0:4, 1], values[0, 20:24, 0]]).cpu())
+    store.close()
 
 
 @pytest.mark.gpu
