@@ -13,9 +13,14 @@ class RopeForTests:
     its frequencies do not depend on the sequence length."""
 
     uses_seq_lens = False
+    interleaved = False
+    attention_factor = 1.0
 
     def __init__(self, head_dim: int, base: float = 10000.0):
         self.inv_freq = base ** (-torch.arange(0, head_dim, 2).float() / head_dim)  # (d/2,)
+
+    def frequencies(self, positions: torch.Tensor, seq_lens=None) -> torch.Tensor:
+        return self.inv_freq.to(positions.device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, seq_lens=None) -> torch.Tensor:
         angles = positions.float()[:, None] * self.inv_freq.to(positions.device)  # (n, d/2)
