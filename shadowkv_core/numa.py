@@ -115,9 +115,14 @@ def placement_for_gpu(device_index: int, pci_bus_id: str | None = None, sysfs: P
                       use_nvml: bool = True) -> NumaPlacement:
     nodes = node_cpus(sysfs)
     if len(nodes) <= 1:
-        logger.info("NUMA: %d node(s) on this host; host values and threads stay where the OS puts them",
-                    len(nodes))
-        return NumaPlacement(None, tuple(nodes.get(0, [])))
+        if nodes:
+            (only, cpus), = nodes.items()
+            logger.info("NUMA: GPU %d, its host values and threads are on node %d, this host's only node "
+                        "(%d CPUs); nothing to bind", device_index, only, len(cpus))
+        else:
+            logger.info("NUMA: no nodes listed under %s; host values and threads stay where the OS puts them",
+                        sysfs / "devices/system/node")
+        return NumaPlacement(None, tuple(next(iter(nodes.values()), ())))
     node = gpu_numa_node(device_index, pci_bus_id, sysfs, use_nvml)
     if node is None or node not in nodes:
         logger.info("NUMA: node of GPU %d unknown; no placement", device_index)
