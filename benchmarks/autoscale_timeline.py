@@ -1,14 +1,14 @@
 """Autoscaling timeline: a bounded load on loopback drives the engine deployment up, then stops so it scales back down;
 engine replicas, the admission queue, tokens/s and per-replica request counts are sampled all along.
 
-NOT RUN ON GPUS YET: it is issue 9's acceptance, which needs a machine with two GPUs (only its sampling was tried, on
-CPU against configs/local.yaml's single replica). There, with the checkpoint (or a
-random-weight 8B geometry) at prod.yaml's `model`, and prod.yaml's max_replicas lowered to 2:
-    ray start --head --num-gpus 2 --metrics-export-port 8080
+Against a running service, e.g. prod.yaml with max_replicas 2 on a host with two GPUs:
+    ray start --head --num-gpus 2
     serve run configs/prod.yaml &
-    python benchmarks/autoscale_timeline.py --load-s 300 --tail-s 900
-Serve waits downscale_delay_s (600 s) before it removes a replica, so --tail-s must exceed it.
-Request counts per replica are Ray's counters, cumulative since the application started. Writes
+    python -m benchmarks.autoscale_timeline --load-s 300 --tail-s 900
+Serve waits downscale_delay_s (600 s unless the app arg `autoscaling` sets it) before it removes a replica, so
+--tail-s must exceed it; the tail ends early once the replicas are back to --min-replicas and every client is done.
+benchmarks/serve_gpu.py runs this on two GPUs with shorter delays. Per-replica request counts are the ingress's
+`shadowkv_replica_requests` (what each replica has taken since it started, labelled with its GPU). Writes
 autoscale_timeline.json and .png to --out (benchmarks/results/).
 """
 from __future__ import annotations
@@ -20,14 +20,34 @@ import random
 import re
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import httpx
 
+from benchmarks.load import require_loopback
+
 RESULTS = Path(__file__).resolve().parent / "results"
 INGRESS_GAUGES = {"queue": "shadowkv_admission_queue_depth", "tokens_per_s": "shadowkv_tokens_per_second",
-                  "replicas": "shadowkv_replicas_ready"}
-REQUESTS = re.compile(r"^ray_serve_deployment_request_counter_total\{([^}]*)\}\s+(\S+)", re.M)
+                  "replicas": "shadowkv_replicas_ready", "running": "shadowkv_num_running",
+                  "gpu_bytes_in_use": "shadowkv_gpu_bytes_in_use", "host_bytes_in_use": "shadowkv_host_bytes_in_use"}
+REPLICA_REQUESTS = re.compile(r"^shadowkv_replica_requests\{([^}]*)\}\s+(\S+)", re.M)
+
+
+@dataclass
+class TimelineConfig:
+    url: str = "http://127.0.0.1:8000"
+    model: str = "llama-3.1-8b-instruct"
+    users: int = 24  # concurrent clients: more than one replica's 16 slots
+    vocab_size: int = 128256  # prompt token ids are drawn below it
+    context: int = 65536  # prompt tokens per request
+    max_tokens: int = 256
+    load_s: float = 300.0
+    tail_s: float = 900.0
+    interval_s: float = 5.0
+    request_timeout_s: float = 600.0
+    min_replicas: int = 1  # the tail ends once the replicas are back to this
 
 
 def gauge(text: str, name: str) -> float:
@@ -35,51 +55,98 @@ def gauge(text: str, name: str) -> float:
     return float(found.group(1)) if found else float("nan")
 
 
-def requests_per_replica(ray_metrics: str) -> dict[str, float]:
-    """Completions each engine replica has taken (Ray's counter has one series per replica and route)."""
-    counts: dict[str, float] = {}
-    for labels, value in REQUESTS.findall(ray_metrics):
+def requests_per_replica(metrics: str) -> dict[str, float]:
+    """Requests each engine replica has taken, keyed "<replica id> <device>"."""
+    counts = {}
+    for labels, value in REPLICA_REQUESTS.findall(metrics):
         tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if tags.get("deployment") == "EngineReplica" and tags.get("route", "").endswith("completions"):
-            counts[tags["replica"]] = counts.get(tags["replica"], 0.0) + float(value)
+        counts[f"{tags['replica']} {tags['device']}"] = float(value)
     return counts
 
 
-async def sample(client: httpx.AsyncClient, args, start: float) -> dict:
-    """One point of the timeline: the ingress's gauges and Ray's per-replica request counters."""
-    ingress = (await client.get(f"{args.url}/metrics")).text
-    ray_metrics = (await client.get(args.ray_metrics_url)).text
-    return {"t_s": round(time.monotonic() - start, 1), **{k: gauge(ingress, n) for k, n in INGRESS_GAUGES.items()},
-            "requests_per_replica": requests_per_replica(ray_metrics)}
+async def sample(client: httpx.AsyncClient, url: str, start: float) -> dict:
+    """One point of the timeline: the ingress's gauges and per-replica request counts."""
+    text = (await client.get(f"{url}/metrics")).text
+    return {"t_s": round(time.monotonic() - start, 1), **{k: gauge(text, n) for k, n in INGRESS_GAUGES.items()},
+            "requests_per_replica": requests_per_replica(text)}
 
 
-async def user(client: httpx.AsyncClient, args, stop_at: float, outcomes: dict) -> None:
+async def sample_until(client: httpx.AsyncClient, cfg: TimelineConfig, start: float, timeline: list,
+                       stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            timeline.append(await sample(client, cfg.url, start))
+            print(json.dumps(timeline[-1]), flush=True)
+        except httpx.HTTPError as exc:  # a missed point, not a failed run
+            timeline.append({"t_s": round(time.monotonic() - start, 1), "error": repr(exc)})
+        try:
+            await asyncio.wait_for(stop.wait(), cfg.interval_s)
+        except TimeoutError:
+            pass
+
+
+async def user(client: httpx.AsyncClient, cfg: TimelineConfig, stop_at: float, outcomes: dict,
+               failures: list) -> None:
     """One client sending requests back to back until the load stops; prompts are token ids (random weights)."""
     while time.monotonic() < stop_at:
-        prompt = [random.randrange(args.vocab_size) for _ in range(args.context)]
-        reply = await client.post(f"{args.url}/v1/completions", json={
-            "model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True})
-        outcomes[reply.status_code] = outcomes.get(reply.status_code, 0) + 1
-        if reply.status_code == 429:  # full everywhere: what makes the policy scale up; back off a little
+        prompt = [random.randrange(cfg.vocab_size) for _ in range(cfg.context)]
+        try:
+            reply = await client.post(f"{cfg.url}/v1/completions", json={
+                "model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "ignore_eos": True})
+            status = reply.status_code
+        except httpx.HTTPError as exc:
+            status, reply = type(exc).__name__, None
+        outcomes[status] = outcomes.get(status, 0) + 1
+        if status == 429:  # full everywhere: what makes the policy scale up; back off a little
             await asyncio.sleep(1.0)
-        elif reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {reply.text}")
+        elif status != 200:
+            failures.append(reply.text[:300] if reply is not None else status)
+            await asyncio.sleep(1.0)
 
 
-async def run(args) -> dict:
-    timeline, outcomes = [], {}
-    timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=args.users + 4)) as client:
+def settled(timeline: list[dict], users: list[asyncio.Task], min_replicas: int) -> bool:
+    last = next((p for p in reversed(timeline) if "replicas" in p), None)
+    return all(u.done() for u in users) and last is not None and last["replicas"] <= min_replicas
+
+
+async def run(cfg: TimelineConfig, prelude: Callable[[], Awaitable[dict]] | None = None) -> dict:
+    """The timeline; `prelude` (e.g. an overload burst) runs first, while the timeline is already being sampled, and
+    its result is kept. Bounded: prelude, then load_s of load, then at most tail_s until settled."""
+    require_loopback(cfg.url)
+    timeline, outcomes, failures, events = [], {}, [], {}
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=cfg.users + 4)) as client:
         start = time.monotonic()
-        stop_load, stop_all = start + args.load_s, start + args.load_s + args.tail_s
-        users = [asyncio.create_task(user(client, args, stop_load, outcomes)) for _ in range(args.users)]
-        while time.monotonic() < stop_all:
-            timeline.append(await sample(client, args, start))
-            print(json.dumps(timeline[-1]), flush=True)
-            await asyncio.sleep(args.interval_s)
-        await asyncio.gather(*users)
-    return {"command": " ".join(sys.argv), "args": vars(args), "load_stopped_at_s": args.load_s,
-            "responses_by_status": outcomes, "timeline": timeline}
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_until(client, cfg, start, timeline, stop))
+        prelude_result = await prelude() if prelude is not None else None
+        events["load_start_s"] = round(time.monotonic() - start, 1)
+        stop_load = time.monotonic() + cfg.load_s
+        users = [asyncio.create_task(user(client, cfg, stop_load, outcomes, failures)) for _ in range(cfg.users)]
+        await asyncio.sleep(cfg.load_s)
+        events["load_stop_s"] = round(time.monotonic() - start, 1)
+        give_up = time.monotonic() + cfg.tail_s
+        while not settled(timeline, users, cfg.min_replicas) and time.monotonic() < give_up:
+            await asyncio.sleep(cfg.interval_s)
+        cancelled = sum(u.cancel() for u in users)  # only those still waiting on a reply at the bound
+        await asyncio.gather(*users, return_exceptions=True)
+        stop.set()
+        await sampler
+    return {"command": " ".join(sys.argv), "config": asdict(cfg), "events": events, "prelude": prelude_result,
+            "responses_by_status": outcomes, "failures": failures[:10], "users_cancelled_at_tail_end": cancelled,
+            "timeline": timeline}
+
+
+def summary(result: dict) -> dict:
+    """Replicas at most and at the end, and the most requests each replica reported (it may be gone by the end)."""
+    points = [p for p in result["timeline"] if "replicas" in p]
+    per_replica: dict[str, float] = {}
+    for p in points:
+        for name, count in p["requests_per_replica"].items():
+            per_replica[name] = max(per_replica.get(name, 0.0), count)
+    return {"max_replicas": max((p["replicas"] for p in points), default=None),
+            "final_replicas": points[-1]["replicas"] if points else None, "requests_per_replica": per_replica,
+            "responses_by_status": result["responses_by_status"]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -87,43 +154,37 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [p["t_s"] for p in result["timeline"]]
-    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
+    points = [p for p in result["timeline"] if "replicas" in p]
+    t = [p["t_s"] for p in points]
+    fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 9))
     for ax, key, label in zip(axes, ("replicas", "queue", "tokens_per_s"),
                               ("engine replicas", "admission queue", "tokens/s")):
-        ax.plot(t, [p[key] for p in result["timeline"]])
-        ax.axvline(result["load_stopped_at_s"], color="grey", linestyle="--")
+        ax.plot(t, [p[key] for p in points])
         ax.set_ylabel(label)
-    axes[-1].set_xlabel("seconds (dashed: load stops)")
+    for name in sorted({n for p in points for n in p["requests_per_replica"]}):
+        axes[3].plot(t, [p["requests_per_replica"].get(name, float("nan")) for p in points], label=name)
+    axes[3].set_ylabel("requests per replica")
+    axes[3].legend(fontsize=7)
+    for ax in axes:
+        for at in result["events"].values():
+            ax.axvline(at, color="grey", linestyle="--")
+    axes[-1].set_xlabel("seconds (dashed: load starts, load stops; a prelude, if any, from 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--ray-metrics-url", default="http://127.0.0.1:8080/metrics")
-    parser.add_argument("--model", default="llama-3.1-8b-instruct")
-    parser.add_argument("--users", type=int, default=24, help="concurrent clients: more than one replica's 16 slots")
-    parser.add_argument("--vocab-size", type=int, default=128256, help="prompt token ids are drawn below it")
-    parser.add_argument("--context", type=int, default=65536, help="prompt tokens per request")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--load-s", type=float, default=300)
-    parser.add_argument("--tail-s", type=float, default=900)
-    parser.add_argument("--interval-s", type=float, default=5)
-    parser.add_argument("--request-timeout-s", type=float, default=600)
+    for name, value in asdict(TimelineConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
-        parser.error("--url must be loopback")
-    result = asyncio.run(run(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "autoscale_timeline.json").write_text(json.dumps(result, indent=1, default=str))
-    plot(result, args.out / "autoscale_timeline.png")
-    counts = result["timeline"][-1]["requests_per_replica"]
-    print(f"max replicas {max(p['replicas'] for p in result['timeline']):.0f}, final "
-          f"{result['timeline'][-1]['replicas']:.0f}; responses {result['responses_by_status']}; "
-          f"requests per replica {counts}")
+    args = vars(parser.parse_args())
+    out = args.pop("out")
+    result = asyncio.run(run(TimelineConfig(**args)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "autoscale_timeline.json").write_text(json.dumps(result, indent=1, default=str))
+    plot(result, out / "autoscale_timeline.png")
+    print(json.dumps(summary(result)))
 
 
 if __name__ == "__main__":

@@ -33,13 +33,25 @@ def wait_healthy(url: str, timeout_s: float = 60.0, replicas: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def local_service(args: dict, app: str, env: dict[str, str] | None = None, replicas: int = 1) -> Iterator[str]:
-    """Ray (2 CPUs, no dashboard) and Serve on a free loopback port, the app built from `args`; yields its base URL.
-    `env` reaches the replicas (Ray's workers inherit the driver's environment when Ray starts)."""
+def ray_session(env: dict[str, str] | None = None, **init_options) -> Iterator[None]:
+    """Ray on this machine (2 CPUs and no dashboard unless `init_options` say otherwise), shut down on exit. `env`
+    reaches the workers (they inherit the driver's environment when Ray starts)."""
     saved = {name: os.environ.get(name) for name in env or {}}
     os.environ.update(env or {})
+    ray.init(**{"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, **init_options})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+@contextlib.contextmanager
+def serve_on_loopback(args: dict, app: str, replicas: int = 1) -> Iterator[str]:
+    """Inside a Ray session: Serve on a free loopback port, the app built from `args`; yields its base URL once
+    `replicas` engine replicas have reported, and shuts Serve down on exit."""
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=app, route_prefix="/")
@@ -48,9 +60,13 @@ def local_service(args: dict, app: str, env: dict[str, str] | None = None, repli
         yield base
     finally:
         serve.shutdown()
-        ray.shutdown()
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+@contextlib.contextmanager
+def local_service(args: dict, app: str, env: dict[str, str] | None = None, replicas: int = 1) -> Iterator[str]:
+    """Ray (2 CPUs, no dashboard) and Serve on a free loopback port, the app built from `args`; yields its base URL."""
+    with ray_session(env), serve_on_loopback(args, app, replicas) as base:
+        yield base
 
 
 def engine_stats(app: str) -> dict:

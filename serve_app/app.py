@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
 from serve_app.engine_replica import EngineReplica
@@ -46,6 +46,7 @@ class AppArgs(BaseModel):
     num_cpus: float = Field(default=1, ge=0)
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
+    autoscaling: dict[str, Any] = Field(default_factory=dict)  # other AutoscalingConfig fields: upscale_delay_s, ...
     max_waiting: int = Field(default=16, ge=0)  # requests waiting for room in the ingress, beyond that 429
     max_wait_s: float = Field(default=0.5, ge=0)  # the longest a request waits for room before its 429
     default_max_tokens: int = Field(default=256, ge=1)
@@ -53,6 +54,14 @@ class AppArgs(BaseModel):
     max_tokens_limit: int | None = Field(default=None, ge=1)  # the largest max_tokens a request may ask for
     request_timeout_s: float = Field(default=600.0, gt=0)  # then the request is aborted: 408
     max_body_bytes: int = Field(default=8 << 20, ge=1024)  # larger request bodies: 413
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _bounds_and_policy_are_own_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & {"min_replicas", "max_replicas", "policy"})
+        if taken:
+            raise ValueError(f"set {taken} through min_replicas / max_replicas; the policy is fixed")
+        return value
 
 
 def resolve_model(args: AppArgs) -> str:
@@ -104,8 +113,8 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
                                "max_ongoing_requests": 2 * args.max_num_seqs,
                                "max_queued_requests": 4 * args.max_num_seqs}  # at the ingress's handle
     if args.max_replicas > args.min_replicas:
-        options["autoscaling_config"] = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-                                         "policy": {"policy_function": POLICY}}
+        options["autoscaling_config"] = {**args.autoscaling, "min_replicas": args.min_replicas,
+                                         "max_replicas": args.max_replicas, "policy": {"policy_function": POLICY}}
     else:
         options["num_replicas"] = args.min_replicas
     return options

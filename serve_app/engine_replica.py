@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -36,6 +37,13 @@ def engine_footprint(engine: LLMEngine) -> Footprint:
     """The memory model for this engine's model, dtype and cache configuration."""
     dtype = next(engine.model.parameters()).dtype
     return Footprint(mm.Geometry.from_spec(engine.spec, dtype), engine.config.shadowkv, engine.config.block_size)
+
+
+def replica_location() -> dict[str, str]:
+    """This replica's Serve id and the GPUs Ray gave it ("gpu0", ...; "cpu" without one): the labels of its series
+    in the ingress's metrics, which show where requests went."""
+    gpus = ",".join(f"gpu{gpu}" for gpu in ray.get_gpu_ids())
+    return {"replica": serve.get_replica_context().replica_id.unique_id, "device": gpus or "cpu"}
 
 
 @dataclass
@@ -74,6 +82,8 @@ class EngineReplica:
         self._stats = self.engine.stats()
         self._step_started: float | None = None
         self._loop_task: asyncio.Task | None = None
+        self._num_requests = 0  # taken since this replica started
+        self._location = replica_location()
         logger.info("engine replica ready: %s, max_model_len %d, %d slots", served_model_name,
                     self.engine.max_model_len, self.max_num_seqs)
 
@@ -92,6 +102,7 @@ class EngineReplica:
             yield refusal
             return
         held = self._held[request_id] = _Held(request["gpu_bytes"], request["host_bytes"])
+        self._num_requests += 1
         self._adds.append((request_id, request["prompt_token_ids"], request["params"]))
         self._wake.set()
         try:
@@ -119,7 +130,7 @@ class EngineReplica:
                 "free_gpu_bytes": s["gpu_bytes_total"] - max(gpu_held, s["gpu_bytes_in_use"]),
                 "free_host_bytes": s["host_bytes_total"] - max(host_held, s["host_bytes_in_use"]),
                 "free_slots": self.max_num_seqs - len(self._held),
-                "request_ids": list(self._held)}
+                "request_ids": list(self._held), "num_requests": self._num_requests, **self._location}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Predicted memory demand as a share of this replica's capacity (the larger of GPU, host and slots)."""

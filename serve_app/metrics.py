@@ -44,6 +44,8 @@ class ServiceMetrics:
                              buckets=LATENCY_BUCKETS_S)
         self.hit_rate = Gauge("shadowkv_hit_rate", "Mean ShadowKV chunk hit rate over replicas", registry=r)
         self.replicas = Gauge("shadowkv_replicas_ready", "Engine replicas that reported capacity", registry=r)
+        self.replica_requests = Gauge("shadowkv_replica_requests", "Requests each engine replica has taken since it "
+                                      "started", ["replica", "device"], registry=r)
         self.replica_sums = {k: Gauge(f"shadowkv_{k}", f"{k}, summed over replicas", registry=r)
                              for k in _REPLICA_SUMS}
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
@@ -60,6 +62,10 @@ class ServiceMetrics:
         self.replicas.set(len(reports))
         for key, gauge in self.replica_sums.items():
             gauge.set(sum(rep.get(key, 0) for rep in reports))
+        self.replica_requests.clear()  # replicas gone since the last scrape leave no stale series
+        for rep in reports:
+            if "replica" in rep:
+                self.replica_requests.labels(rep["replica"], rep["device"]).set(rep["num_requests"])
         rates = [rep["hit_rate"] for rep in reports if rep.get("hit_rate") is not None]
         self.hit_rate.set(sum(rates) / len(rates) if rates else 0.0)
         self.tokens_per_s.set(self._tokens_per_second())

@@ -50,6 +50,16 @@ def test_prod_builds_gpu_replicas_autoscaled_on_memory_demand():
     assert set(deployments) == {"EngineReplica", "Ingress"}
 
 
+def test_autoscaling_delays_are_app_args_and_the_policy_stays():
+    args = {**_args("prod.yaml"), "max_replicas": 2, "autoscaling": {"upscale_delay_s": 5, "downscale_delay_s": 15}}
+    autoscaling = AutoscalingConfig(**replica_options(AppArgs(**args))["autoscaling_config"])
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 2)
+    assert (autoscaling.upscale_delay_s, autoscaling.downscale_delay_s) == (5, 15)
+    assert autoscaling.policy.get_policy().__name__ == "memory_demand_policy"
+    with pytest.raises(ValueError, match="max_replicas"):
+        AppArgs(**{**args, "autoscaling": {"max_replicas": 4}})
+
+
 def test_local_builds_cpu_replica_and_serves_the_tiny_model_when_the_small_one_is_missing(tmp_path, monkeypatch,
                                                                                           caplog):
     monkeypatch.setattr(app_module, "TINY_MODEL_DIR", tmp_path / "tiny")

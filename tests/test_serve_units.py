@@ -182,6 +182,17 @@ def test_metrics_render_prometheus_text():
         assert name in text, name
 
 
+def test_metrics_count_requests_per_replica_and_forget_replicas_gone():
+    metrics = ServiceMetrics()
+    reports = [{"replica": "a", "device": "gpu0", "num_requests": 3}, {"replica": "b", "device": "gpu1",
+                                                                       "num_requests": 5}]
+    text = metrics.render(reports, 0, 0).decode()
+    assert 'shadowkv_replica_requests{device="gpu0",replica="a"} 3.0' in text
+    assert 'shadowkv_replica_requests{device="gpu1",replica="b"} 5.0' in text
+    text = metrics.render(reports[1:], 0, 0).decode()
+    assert 'replica="a"' not in text and 'replica="b"' in text
+
+
 def test_autoscaling_asks_for_replicas_by_memory_demand():
     assert desired_replicas([0.9, 0.9], current=2, lowest=1, highest=8) == 3
     assert desired_replicas([0.1, 0.0], current=2, lowest=1, highest=8) == 1
