@@ -4,3 +4,5 @@ shapes, strides and dtypes, nothing else. Each kernel's PyTorch reference lives 
 May import torch and triton only. (The name is fixed by the product; tests prove that Hugging Face transformers does
 not mistake this package for its optional `kernels` dependency.)
 """
+
+MIN_HEAD_DIM = 16  # tl.dot's smallest inner dimension: narrower heads take the PyTorch path

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import MIN_HEAD_DIM
+
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -109,6 +111,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     split_tokens (a multiple of block_n): keys per split; by default enough splits for a few programs per SM."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
+    assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
     assert slot_ids.shape == (B,) and slot_ids.dtype == torch.int32
     for k, v, lens in segments:
         assert k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride() and k.stride(3) == 1, k.shape

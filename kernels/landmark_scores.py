@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import MIN_HEAD_DIM
+
 
 @triton.jit
 def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_ptr, num_outliers_ptr,
@@ -88,6 +90,7 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
     assert d_lm == d and Hq % Hkv == 0 and d == triton.next_power_of_2(d), (q.shape, landmarks.shape)
+    assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
     assert q.dtype == landmarks.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
     assert q.is_contiguous() and landmarks.is_contiguous() and page_table.stride(1) == 1
     assert page_table.dtype == num_chunks.dtype == slot_ids.dtype == num_outliers.dtype == torch.int32

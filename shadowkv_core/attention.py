@@ -81,6 +81,13 @@ class KVCache(abc.ABC):
         """Release what the garbage collector cannot (pinned host registrations); the cache is unusable after."""
 
 
+def kernels_by_default(device: torch.device | str, head_dim: int) -> bool:
+    """Whether a cache decodes on the Triton kernels when not told: on CUDA, for heads the kernels take."""
+    from kernels import MIN_HEAD_DIM
+
+    return torch.device(device).type == "cuda" and head_dim >= MIN_HEAD_DIM
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Exact attention of one sequence. q (n_q, Hq, d); k, v (n_k, Hkv, d) with Hq a multiple of Hkv (GQA).
 

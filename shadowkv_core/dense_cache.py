@@ -8,7 +8,7 @@ import torch
 
 from kernels.decode_attention import decode_attention
 
-from .attention import AttentionMetadata, KVCache, attention_ref, prefill_attention_ref
+from .attention import AttentionMetadata, KVCache, attention_ref, kernels_by_default, prefill_attention_ref
 
 
 class BlockAllocator:
@@ -56,7 +56,7 @@ class DenseKVCache(KVCache):
         self.lengths: dict[int, int] = {}
         self._rows_cache: tuple[AttentionMetadata, torch.Tensor] | None = None
         # Decode on the Triton paged flash-decoding kernel by default on CUDA; the PyTorch reference elsewhere.
-        self.use_kernels = torch.device(device).type == "cuda" if use_kernels is None else use_kernels
+        self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
         self._decode_plan: tuple[AttentionMetadata, tuple] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:

@@ -4,7 +4,7 @@ import torch
 from shadowkv_core.attention import AttentionMetadata, attention_ref
 from shadowkv_core.dense_cache import DenseKVCache
 
-HQ, HKV, D = 4, 2, 8
+HQ, HKV, D = 4, 2, 16
 
 
 def make_cache(num_blocks=16, block_size=4, use_kernels=False):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shadowkv_core.attention import AttentionMetadata, KVCache
+from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast
 from shadowkv_core.shadowkv.host_store import HostValueStore
@@ -66,8 +66,9 @@ class ShadowKVCache(KVCache):
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
         # Decode on the Triton kernels (value fetch and key rebuild on two streams) by default on CUDA; the
-        # reference path (layer.decode_layer) elsewhere, and for a custom chunk_scorer.
-        self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
+        # reference path (layer.decode_layer) elsewhere, for heads narrower than the kernels take, and for a custom
+        # chunk_scorer.
+        self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else None
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
