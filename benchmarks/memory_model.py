@@ -4,12 +4,15 @@ batch runs (prefill + a few decode steps), one more request is refused before an
 (allocator peak + what the CUDA context holds outside it) and pinned host bytes are compared with the prediction.
 
 python -m benchmarks.memory_model --contexts 8192 32768 122880 --out memory_model.json
+
+The NUMA placement the engine logged is recorded with the rows (`numa_log`).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +57,7 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
     gpu_budget, host_budget = mm.pool_budget_for(g, cfg, batch, context, max_new)
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype).removeprefix("torch."),
                                     load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
-                                    max_model_len=context + max_new, max_prefill_tokens=context,
+                                    max_model_len=context + max_new, max_prefill_tokens=context, max_waiting=batch + 1,
                                     gpu_cache_gib=gpu_budget / mm.GIB, host_cache_gib=host_budget / mm.GIB))
     if cuda:
         torch.cuda.synchronize()
@@ -76,13 +79,15 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
     predicted_gpu = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens, batch) + gpu_budget
     row = {"device": torch.cuda.get_device_name() if cuda else "cpu", "context": context, "batch": batch,
            "predicted_gpu_bytes": predicted_gpu, "predicted_host_bytes": host_budget, "measured_host_bytes": peak_host,
-           "weights_bytes": g.weight_bytes, "pools_gpu_bytes": gpu_budget, "extra_request_refused": refused, "max_concurrent": concurrent, "max_new_tokens": max_new,
+           "weights_bytes": g.weight_bytes, "pools_gpu_bytes": gpu_budget, "extra_request_refused": refused,
+           "max_concurrent": concurrent, "max_new_tokens": max_new,
            "seconds": round(time.perf_counter() - start, 1), "host_ratio": peak_host / host_budget}
     if cuda:
         torch.cuda.synchronize()
         row.update(measured_gpu_bytes=torch.cuda.max_memory_allocated() + non_torch_gpu_bytes(),
                    allocator_peak_bytes=torch.cuda.max_memory_allocated(), non_torch_bytes=non_torch_gpu_bytes())
         row["gpu_ratio"] = row["measured_gpu_bytes"] / predicted_gpu
+        row["within_5pct"] = all(0.95 <= ratio <= 1.0 for ratio in (row["gpu_ratio"], row["host_ratio"]))
     engine.close()
     del engine
     gc.collect()
@@ -98,12 +103,24 @@ def _spec(model: str):
     return ModelSpec.from_hf_config(read_config(Path(model)))
 
 
+def capture_log(name: str) -> list[str]:
+    """The messages `name`'s logger emits from now on (also printed), to record them with the results."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.addHandler(logging.StreamHandler())
+    return messages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 122880])
     parser.add_argument("--batches", default="1,max", help="comma list of batch sizes; 'max' = predicted maximum")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="default: batch + 3, so the whole batch is resident at once (one prefill per step)")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="more than the batch, so the whole batch is resident at once (one prefill per step)")
     parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
     parser.add_argument("--out", default="memory_model.json")
     parser.add_argument("--device", default="cuda")
@@ -115,16 +132,18 @@ def main() -> None:
     cfg = TINY_SHADOWKV if args.tiny else ShadowKVConfig()
     total = torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB
     host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
+    numa_log = capture_log("shadowkv_core.numa")
     rows = []
     for context in args.contexts:
-        best = mm.capacity(g, cfg, int(total * 0.9), host, [context], args.max_new_tokens or 64)
+        best = mm.capacity(g, cfg, int(total * 0.9), host, [context], args.max_new_tokens)
         for b in args.batches.split(","):
             batch = best if b == "max" else min(int(b), best)
-            row = run_batch(model, cfg, context, batch, args.max_new_tokens or batch + 3, args.device)
+            row = run_batch(model, cfg, context, batch, args.max_new_tokens, args.device)
             row["predicted_max_batch"] = best
             rows.append(row)
             print_table([row], ["context", "batch", "gpu_ratio", "host_ratio", "extra_request_refused", "seconds"])
-            path = write_json(args.out, rows, gpu_total_bytes=total, host_budget_bytes=host)  # after every row
+            path = write_json(args.out, rows, gpu_total_bytes=total, host_budget_bytes=host,
+                              numa_log=numa_log)  # after every row
     print(f"wrote {path}")
     print_table(rows, ["context", "batch", "predicted_max_batch", "predicted_gpu_bytes", "measured_gpu_bytes",
                        "gpu_ratio", "predicted_host_bytes", "measured_host_bytes", "host_ratio",
