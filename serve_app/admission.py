@@ -35,7 +35,8 @@ class Footprint:
 class _Replica:
     """One replica's last report and this process's requests on it: `reserved` (placed, not in the report yet, so
     not in its free bytes), `counted` (placed and in the report), `credited` (ended here, still in the report: its
-    bytes are free again although the report does not say so yet)."""
+    bytes are free again although the report does not say so yet), `ended` (ended here while only reserved: a report
+    taken before its end may still list it, and is then credited with it)."""
 
     free_gpu: int
     free_host: int
@@ -44,6 +45,7 @@ class _Replica:
     reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
     counted: dict[str, tuple[int, int]] = field(default_factory=dict)
     credited: dict[str, tuple[int, int]] = field(default_factory=dict)
+    ended: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def room(self) -> tuple[int, int, int]:
         gpu = self.free_gpu - _total(self.reserved, 0) + _total(self.credited, 0)
@@ -57,10 +59,11 @@ class _Replica:
         return _Replica(stats["free_gpu_bytes"], stats["free_host_bytes"], stats["free_slots"], stats,
                         reserved={k: v for k, v in self.reserved.items() if k not in listed},
                         counted={k: v for k, v in held.items() if k in listed and k not in self.credited},
-                        credited={k: v for k, v in self.credited.items() if k in listed})
+                        credited={k: v for k, v in {**self.credited, **self.ended}.items() if k in listed})
 
     def release(self, request_id: str) -> None:
-        self.reserved.pop(request_id, None)
+        if request_id in self.reserved:
+            self.ended[request_id] = self.reserved.pop(request_id)
         if request_id in self.counted:
             self.credited[request_id] = self.counted.pop(request_id)
 

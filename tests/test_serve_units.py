@@ -128,6 +128,17 @@ def test_board_credits_a_finished_request_until_the_report_catches_up():
     assert board.place("r3", 1, 0) is None
 
 
+def test_board_credits_a_request_that_ended_before_any_report_listed_it():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    assert board.place("r1", GIB, 0) == "a"
+    board.release("r1")  # ended within one report period: never counted
+    board.update({"a": _report(0, slots=0, ids=["r1"])})  # a report taken while it was held arrives after its end
+    assert board.place("r2", GIB, 0) == "a"  # its slot and bytes are free all the same
+    board.update({"a": _report(0, slots=0, ids=["r2"])})
+    assert board.place("r3", 1, 0) is None
+
+
 def test_board_respects_slots_and_ignores_unreported_replicas():
     board = CapacityBoard()
     board.update({"a": _report(4 * GIB, slots=1), "b": {}})
