@@ -309,7 +309,7 @@ def run_phases(profile: Profile, record: dict, out: Path, deadline: float) -> No
     with ray_session(num_cpus=os.cpu_count(), num_gpus=profile.num_gpus, object_store_memory=2 << 30), \
             contextlib.ExitStack() as stack:
         record["ray_resources"] = ray.cluster_resources()
-        task = ray.remote(max_calls=1)(engine_alone).options(num_gpus=gpus, num_cpus=1).remote(
+        task = ray.remote(max_calls=1)(engine_alone).options(num_gpus=gpus, num_cpus=parsed.num_cpus).remote(
             engine_config(parsed, resolve_model(parsed)), prompts, profile.max_tokens, go)
         url = None
         with phase(record, "service_start", out):
