@@ -14,7 +14,7 @@ alone (its traceback recorded):
   timeline      sampled from the start of: an overload burst (slots + waiting line + `burst_extra` long requests at
                 once: 429s, their Retry-After and latency, every admitted one completed, the engines drained to zero),
                 then a bounded load of `load.users` clients, then the tail until the replicas are back to one.
-    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, ~7 minutes
+    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, under 7 minutes
     PYTHONPATH=$PWD python -m benchmarks.serve_gpu --cpu --out DIR    # the same on CPU with the tiny geometry
 Writes serve_gpu.json, autoscale_gpu.json, autoscale_gpu.png and ray_logs.tar.gz under --out.
 """
@@ -73,7 +73,7 @@ AUTOSCALING = {"max_replicas": 2,
 GPU = Profile(LLAMA_31_8B, {**AUTOSCALING, "engine": {"load_format": "dummy", "host_cache_gib": 36}},
               num_gpus=None, context=32768, batch=4, max_tokens=256, burst_context=32768, burst_extra=24,
               burst_max_tokens=16, load=TimelineConfig(users=24, context=16384, max_tokens=64, load_s=90, tail_s=120,
-                                                       interval_s=2, request_timeout_s=300), budget_s=460)
+                                                       interval_s=2, request_timeout_s=300), budget_s=400)
 CPU = Profile(TINY, {**AUTOSCALING, "device": "cpu", "dtype": "float32", "num_gpus": 0, "num_cpus": 0,
                      "max_num_seqs": 2, "max_model_len": 2048, "shadowkv": asdict(TINY_SHADOWKV), "max_waiting": 2,
                      "max_wait_s": 0.5,
