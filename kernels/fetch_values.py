@@ -11,6 +11,8 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   slot_ids     (B,) int32
   value_slots  (N, Hkv, K*C, d) out         one layer of the slots' sparse values (stride over N free, inner dims
                                             contiguous); only the missed slots are written
+  host_scales  (P, PAGE_TOKENS/C, Hkv) fp32 optional: host_values are then float8_e4m3fn, dequantised here as
+                                            fp32 value * its chunk's scale, rounded once to value_slots' dtype
 One program per (sequence, KV head, MISSES_PER_PROGRAM misses); programs past num_miss return at once.
 """
 import torch
@@ -19,10 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _fetch_values_kernel(host_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr,
-                         stride_hp, stride_ht, stride_tb, stride_mb, stride_mh, stride_nb, stride_on, stride_oh,
+def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr,
+                         out_ptr, stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh,
+                         stride_nb, stride_on, stride_oh,
                          CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         MISSES_PER_PROGRAM: tl.constexpr):
+                         MISSES_PER_PROGRAM: tl.constexpr, FP8: tl.constexpr):
     pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
     if pid * MISSES_PER_PROGRAM >= num_miss:
@@ -38,21 +41,34 @@ def _fetch_values_kernel(host_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, n
     page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
     src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
     vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=r_mask[:, None])
+    if FP8:
+        scale = tl.load(scales_ptr + page * stride_sp + (token % PAGE_TOKENS) // CHUNK * stride_sc + h,
+                        mask=r_mask, other=0.0)
+        vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
     slot = tl.load(slot_ptr + b).to(tl.int64)
     dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
-    tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals, mask=r_mask[:, None])
+    tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
 
 
 def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
                  miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor, value_slots: torch.Tensor,
-                 chunk_size: int, misses_per_program: int = 4) -> None:
+                 chunk_size: int, misses_per_program: int = 4, host_scales: torch.Tensor | None = None) -> None:
     P, page_tokens, Hkv, d = host_values.shape
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
     assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == miss_slots.shape == (B, Hkv, K)
     # On CUDA the host tensor must be pinned or cudaHostRegister-ed: Triton's launcher refuses any other host pointer.
     assert host_values.device.type == "cpu", "host values are read in place from host memory (zero-copy)"
-    assert host_values.dtype == value_slots.dtype and d == triton.next_power_of_2(d)
+    fp8 = host_scales is not None
+    if fp8:
+        assert host_values.dtype == torch.float8_e4m3fn and host_scales.dtype == torch.float32
+        assert host_scales.shape == (P, page_tokens // chunk_size, Hkv) and host_scales.stride(2) == 1
+        assert host_scales.device.type == "cpu", "scales are read in place from host memory, as the values"
+        host_values = host_values.view(torch.uint8)  # bit-cast back to e4m3 in the kernel
+    else:
+        assert host_values.dtype == value_slots.dtype
+        host_scales = host_values  # not read
+    assert d == triton.next_power_of_2(d)
     assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
     assert value_slots.stride(3) == 1 and value_slots.stride(2) == d
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous() and num_miss.shape == (B, Hkv)
@@ -60,8 +76,9 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     assert host_table.stride(1) == 1 and host_table.shape[0] == B and slot_ids.shape == (B,)
     grid = (triton.cdiv(K, misses_per_program), Hkv, B)
     _fetch_values_kernel[grid](
-        host_values, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots,
-        host_values.stride(0), host_values.stride(1), host_table.stride(0), miss_chunks.stride(0),
-        miss_chunks.stride(1), num_miss.stride(0), value_slots.stride(0), value_slots.stride(1),
-        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d, MISSES_PER_PROGRAM=misses_per_program,
+        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots,
+        host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
+        host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
+        value_slots.stride(0), value_slots.stride(1),
+        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d, MISSES_PER_PROGRAM=misses_per_program, FP8=fp8,
         num_warps=4)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+VALUE_FORMATS = ("model", "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -23,6 +24,8 @@ class ShadowKVConfig:
     fit in this many tokens stays dense (see stays_dense).
     decode_window: generated tokens kept exact; when full, its older half is folded into the shadow.
     page_chunks: chunks per page of U rows, landmarks and host values (the unit of allocation).
+    value_format: how values are kept on the host: "model" (the model's dtype) or "fp8" (e4m3 with one fp32 scale
+        per chunk and KV head: about half the host memory and PCIe bytes, dequantised as they are fetched).
     """
 
     rank: int = 160
@@ -33,6 +36,7 @@ class ShadowKVConfig:
     min_context: int = 4096
     decode_window: int = 512
     page_chunks: int = 16
+    value_format: str = "model"
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
@@ -45,6 +49,8 @@ class ShadowKVConfig:
         _require(self.local_chunks >= 1, f"local_chunks must be >= 1, got {self.local_chunks}")
         _require(self.page_chunks >= 1, f"page_chunks must be >= 1, got {self.page_chunks}")
         _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
+        _require(self.value_format in VALUE_FORMATS,
+                 f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,
                  f"decode_window ({self.decode_window}) must be a positive multiple of 2*chunk_size "
                  f"({2 * self.chunk_size}): its older half is folded into the shadow chunk by chunk")

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ShadowKVConfig
+from .config import VALUE_FORMATS, ShadowKVConfig
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
+FP8_SCALE_BYTES = 4  # fp32 scale of one chunk of one KV head's fp8 values
 GIB = 1 << 30
 
 
@@ -106,7 +107,10 @@ def gpu_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
 
 
 def host_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
-    """Values (page_tokens, Hkv, d) of every layer."""
+    """Values (page_tokens, Hkv, d) of every layer: in the model's dtype, or fp8 plus an fp32 scale per chunk and
+    KV head."""
+    if cfg.value_format == "fp8":
+        return g.num_layers * (page_tokens(cfg) * g.kv_width + cfg.page_chunks * g.num_kv_heads * FP8_SCALE_BYTES)
     return g.num_layers * page_tokens(cfg) * g.kv_width * g.dtype_bytes
 
 
@@ -268,10 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparse-budget", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=8)
     parser.add_argument("--outlier-chunks", type=int, default=48)
+    parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model", help="host values: model dtype or fp8")
     args = parser.parse_args(argv)
     g = load_geometry(args.model)
     cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
-                         outlier_chunks=args.outlier_chunks)
+                         outlier_chunks=args.outlier_chunks, value_format=args.value_format)
     cfg.check_model(g.num_kv_heads, g.head_dim)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
     print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, host {args.host_gib} GiB")

@@ -40,10 +40,11 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
     return outs
 
 
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32])
-def test_fast_decode_equals_reference(dtype, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
+def test_fast_decode_equals_reference(dtype, value_format, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
-                            min_context=0, decode_window=8, page_chunks=4)
+                            min_context=0, decode_window=8, page_chunks=4, value_format=value_format)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
     caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
     for cache in caches:
@@ -61,5 +62,7 @@ def test_fast_decode_equals_reference(dtype, device=DEVICE, prompt_lens=(150, 61
 
 
 @pytest.mark.gpu
-def test_fast_decode_equals_reference_gpu_bf16():
-    test_fast_decode_equals_reference(torch.bfloat16, device="cuda", prompt_lens=(1500, 611, 977, 2048), steps=20)
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
+def test_fast_decode_equals_reference_gpu_bf16(value_format):
+    test_fast_decode_equals_reference(torch.bfloat16, value_format, device="cuda", prompt_lens=(1500, 611, 977, 2048),
+                                      steps=20)

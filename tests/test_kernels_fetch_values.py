@@ -4,29 +4,41 @@ import torch
 from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, random_misses, slot_ids_for
 from kernels.fetch_values import fetch_values
 from shadowkv_core.shadowkv.batched_reference import gather_values_batched
+from shadowkv_core.shadowkv.reference import quantize_values
 
 
-def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0):
+def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False):
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
     host_values = torch.randn(num_pages, page_tokens, Hkv, d, generator=g).to(dtype)
+    host_scales = None
+    if fp8:  # chunks of very different magnitudes: each scale matters
+        magnitude = torch.exp(4 * torch.randn(num_pages, page_tokens // C, 1, Hkv, 1, generator=g))
+        values = host_values.float().unflatten(1, (-1, C)) * magnitude
+        host_values, host_scales = quantize_values(values.flatten(1, 2), C)
     if device == "cuda":
         host_values = host_values.pin_memory()
+        host_scales = host_scales.pin_memory() if fp8 else None
     value_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
     slot_ids = slot_ids_for(B, N, g).to(device)
     misses = [t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g)]
-    expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C)
+    expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C, host_scales)
     got = value_slots.clone()
     got[expected != value_slots] = float("nan")  # poison the outputs
-    fetch_values(host_values, table.to(device), *misses, slot_ids, got, C)
-    assert_close(got, expected, dtype, "value slots", tol=(0, 0))  # a copy: bit-exact
+    fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales)
+    assert_close(got, expected, dtype, "value slots", tol=(0, 0))  # a copy (fp8: one product, one rounding): bit-exact
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_chunks,Hkv,K", [([37, 5, 70], 2, 12), ([3], 3, 5)])
 def test_fetch_values_small(num_chunks, Hkv, K, dtype):
     _check(num_chunks, Hkv, 32, K, 4, 16, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fetch_values_fp8_dequantises_each_chunk_with_its_scale(dtype):
+    _check([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=3, fp8=True)
 
 
 @pytest.mark.gpu
@@ -36,3 +48,11 @@ def test_fetch_values_llama(context, batch):
     num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
            "cuda")
+
+
+@pytest.mark.gpu
+def test_fetch_values_fp8_llama():
+    C = LLAMA["chunk_size"]
+    num_chunks = ragged_lengths(128 * 1024 // C, 4, seed=5)
+    _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
+           "cuda", fp8=True)

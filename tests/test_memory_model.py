@@ -48,10 +48,11 @@ def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
     assert mm.Geometry.from_spec(spec, torch.float32).weight_bytes == sum(params.values())
 
 
-def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format):
     path = build_tiny_model(tmp_path)
     cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
-                         min_context=32, decode_window=16, page_chunks=4)
+                         min_context=32, decode_window=16, page_chunks=4, value_format=value_format)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
     cache = engine.cache
@@ -62,7 +63,8 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
     assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages) == \
         (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages)
     assert allocated_gpu == pools.gpu_bytes(g, cfg, 16) <= 0.005 * mm.GIB
-    assert cache.host.values.numel() * cache.host.values.element_size() == pools.host_bytes(g, cfg)
+    host_tensors = (cache.host.values,) if cache.host.scales is None else (cache.host.values, cache.host.scales)
+    assert sum(t.numel() * t.element_size() for t in host_tensors) == pools.host_bytes(g, cfg)
     for prompt_len, max_new in ((300, 40), (20, 10)):  # a shadow sequence, then a dense one
         before = cache.stats()
         assert engine.footprint(prompt_len, max_new) == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
@@ -73,6 +75,15 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path):
         assert used == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
         cache.free(prompt_len)
     assert cache.stats()["gpu_bytes_in_use"] == 0
+
+
+def test_fp8_values_halve_the_host_bytes_and_double_a_host_bound_batch():
+    g = mm.PRESETS["llama-3.1-8b"]
+    model, fp8 = ShadowKVConfig(), ShadowKVConfig(value_format="fp8")
+    host_model, host_fp8 = mm.seq_bytes(g, model, 122880, 128).host, mm.seq_bytes(g, fp8, 122880, 128).host
+    assert host_fp8 / host_model == pytest.approx(0.5, abs=0.01)  # e4m3 + one fp32 scale per 8 tokens of a head
+    gpu, host = 139 * mm.GIB, 100 * mm.GIB
+    assert mm.capacity(g, fp8, gpu, host, [122880], 128) == 2 * mm.capacity(g, model, gpu, host, [122880], 128)
 
 
 def test_cli_prints_dense_and_shadowkv_capacity(capsys):

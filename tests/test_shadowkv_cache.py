@@ -92,6 +92,16 @@ def test_full_budget_full_rank_equals_dense_ragged_with_folding():
     assert stats["num_seqs"] == 3 and stats["hit_rate"] > 0.8 and stats["gpu_bytes_in_use"] > 0
 
 
+def test_fp8_values_full_budget_stay_within_e4m3_precision_of_dense():
+    """Full budget and rank: the only difference from dense attention is the values' fp8 rounding (folded chunks
+    too), at most 2^-4 of a chunk's largest value per element; the attention output is a convex mix of them."""
+    cache = make_cache(full_config(value_format="fp8"))
+    worst = generate(cache, prompt_lens=[37, 50, 23], steps=24)
+    assert 1e-4 < worst < 0.1  # values ~N(0, 1): the largest in a chunk ~2-3, rounding <= 2^-4 of it
+    assert cache.seqs[1].num_shadow > 50 // 4 - 2  # folded windows are quantised too
+    assert cache.host.values.dtype == torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("rope_scaling,partial", [({"rope_type": "dynamic", "factor": 2.0}, 1.0), (None, 0.5)])
 def test_model_rotary_including_length_dependent_rope(rope_scaling, partial):
     """The model's RotaryEmbedding: dynamic NTK (frequencies depend on the sequence length, which passes 32 mid-run)

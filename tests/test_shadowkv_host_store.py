@@ -4,11 +4,12 @@ import torch
 
 from shadowkv_core.shadowkv.host_store import HostValueStore, page_runs
 from shadowkv_core.shadowkv.pages import locate
+from shadowkv_core.shadowkv.reference import quantize_values
 
 
-def make_store(num_pages=6, pin=False):
+def make_store(num_pages=6, pin=False, **kwargs):
     return HostValueStore(num_layers=2, num_pages=num_pages, page_tokens=8, num_kv_heads=2, head_dim=4,
-                          dtype=torch.float32, pin=pin)
+                          dtype=torch.float32, pin=pin, **kwargs)
 
 
 def test_pages_alloc_free_and_bytes():
@@ -52,6 +53,35 @@ def test_write_lands_every_row_where_the_page_table_says(start, n):
     page, offset = locate(table, torch.arange(start, start + n), 8)
     torch.testing.assert_close(store.values[0, page, offset], values[0])
     torch.testing.assert_close(store.values[1, page, offset], values[1] * 2)
+
+
+def test_fp8_store_keeps_half_the_bytes_and_gathers_within_e4m3_precision():
+    torch.manual_seed(2)
+    model, fp8 = make_store(), make_store(value_format="fp8", chunk_size=4)
+    assert fp8.page_bytes == 2 * (8 * 2 * 4 * 1 + 2 * 2 * 4)  # e4m3 values + an fp32 scale per chunk and head
+    table = torch.tensor(fp8.alloc(3)[::-1])
+    values = torch.randn(2, 20, 2, 4) * torch.tensor([1e-3, 50.0])[:, None]  # heads of very different scales
+    fp8.write(slice(None), table, 4, values)
+    got = fp8.gather(1, table, chunk_ids=torch.tensor([1, 5, 3]), heads=torch.tensor([0, 1, 1]), chunk_size=4)
+    want = torch.stack([values[1, 0:4, 0], values[1, 16:20, 1], values[1, 8:12, 1]])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2 ** -3, atol=0)  # e4m3: 3 mantissa bits, normal range
+    with pytest.raises(ValueError, match="whole chunks of 4 tokens"):
+        fp8.write(0, table, 2, values[0, :4])
+    assert model.page_bytes == 2 * 8 * 2 * 4 * 4
+
+
+def test_quantize_values_round_trip_and_zero_chunks():
+    torch.manual_seed(3)
+    v = torch.randn(3, 16, 2, 8) * torch.exp(3 * torch.randn(3, 4, 2, 1)).repeat_interleave(4, 1)
+    v[0, :4, 1] = 0  # an all-zero chunk of one head
+    q, scales = quantize_values(v, 4)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (3, 4, 2)
+    per_chunk = q.float().unflatten(1, (4, 4)).abs().amax(dim=(2, 4))  # the largest code of each chunk and head
+    assert torch.all((per_chunk == 448) | (scales == torch.finfo(torch.float32).tiny))
+    back = (q.float().unflatten(1, (4, 4)) * scales[:, :, None, :, None]).flatten(1, 2)
+    torch.testing.assert_close(back, v, rtol=2 ** -3, atol=1e-30)
+    assert back[0, :4, 1].eq(0).all()
 
 
 @pytest.mark.gpu

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.attention import attention_ref
-from shadowkv_core.shadowkv.reference import (assign_slots, gather_values, landmark_scores, paged_rows, rebuild_keys,
-                                              sparse_decode_attention_ref)
+from shadowkv_core.shadowkv.reference import (assign_slots, dequantize_values, gather_scales, gather_values,
+                                              landmark_scores, paged_rows, rebuild_keys, sparse_decode_attention_ref)
 
 
 def landmark_scores_batched(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor,
@@ -72,8 +72,10 @@ def rebuild_keys_batched(key_slots: torch.Tensor, u_pages: torch.Tensor, page_ta
 
 def gather_values_batched(value_slots: torch.Tensor, host_values: torch.Tensor, host_table: torch.Tensor,
                           miss_chunks: torch.Tensor, miss_slots: torch.Tensor, num_miss: torch.Tensor,
-                          slot_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """value_slots (N, Hkv, K*C, d), host_values (P, page_tokens, Hkv, d) -> a copy with every missed slot's values."""
+                          slot_ids: torch.Tensor, chunk_size: int,
+                          host_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """value_slots (N, Hkv, K*C, d), host_values (P, page_tokens, Hkv, d) -> a copy with every missed slot's values;
+    with host_scales (P, page_tokens/C, Hkv), host_values are fp8 and dequantised."""
     out = value_slots.clone()
     N, Hkv, KC, d = value_slots.shape
     C = chunk_size
@@ -81,7 +83,10 @@ def gather_values_batched(value_slots: torch.Tensor, host_values: torch.Tensor, 
         for h in range(Hkv):
             chunks, slots = _misses(miss_chunks.cpu(), miss_slots.cpu(), num_miss.cpu(), b, h)
             heads = torch.full_like(chunks, h)
-            values = gather_values(host_values, host_table[b].long().cpu(), chunks, heads, C)  # (M, C, d)
+            table = host_table[b].long().cpu()
+            values = gather_values(host_values, table, chunks, heads, C)  # (M, C, d)
+            if host_scales is not None:
+                values = dequantize_values(values, gather_scales(host_scales, table, chunks, heads), out.dtype)
             out[s, h].view(KC // C, C, d)[slots.to(out.device)] = values.to(out.device)
     return out
 

@@ -61,7 +61,8 @@ class ShadowKVCache(KVCache):
         self.gpu = GpuPages(num_layers, num_gpu_pages, config.page_chunks, config.chunk_size, config.rank, num_kv_heads,
                             head_dim, dtype, device)
         self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
-                                   pin=self.device.type == "cuda", placement=placement)
+                                   pin=self.device.type == "cuda", placement=placement,
+                                   value_format=config.value_format, chunk_size=config.chunk_size)
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
@@ -202,12 +203,12 @@ class ShadowKVCache(KVCache):
 
     def _count_fast_step(self, split: BatchSplit) -> None:
         """The fast path's step counters: its miss count is read back once per step, after all layers."""
-        C, Hkv, d = self.config.chunk_size, self.slots.sparse_v.shape[2], self.slots.sparse_v.shape[-1]
+        Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
         fetched = int(split.plan.misses)
         self.step = StepCounters(selected, selected - fetched, fetched,
-                                 fetched * C * d * self.slots.sparse_v.element_size())
+                                 fetched * self.host.fetch_bytes(self.config.chunk_size))
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU

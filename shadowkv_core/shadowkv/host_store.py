@@ -1,8 +1,9 @@
 """One engine's value store on the host (its shard): one large region allocated once, handed out in pages.
 
-A page holds the values of `page_tokens` consecutive tokens of one sequence for every layer. On CUDA the region is
-pinned with cudaHostRegister, so the GPU can read it directly (zero-copy, over unified virtual addressing); the
-caching host allocator is not used because it rounds every allocation up to a power of two.
+A page holds the values of `page_tokens` consecutive tokens of one sequence for every layer: in the model's dtype,
+or (value_format "fp8") as e4m3 with one fp32 scale per chunk and KV head. On CUDA the region is pinned with
+cudaHostRegister, so the GPU can read it directly (zero-copy, over unified virtual addressing); the caching host
+allocator is not used because it rounds every allocation up to a power of two.
 """
 from __future__ import annotations
 
@@ -13,72 +14,111 @@ import torch
 
 from shadowkv_core.numa import NumaPlacement, load_libnuma
 from shadowkv_core.shadowkv.pages import PagePool
-from shadowkv_core.shadowkv.reference import gather_values
+from shadowkv_core.shadowkv.reference import (FP8, dequantize_values, gather_scales, gather_values,
+                                              quantize_values)
 
 OS_PAGE = 4096
 
 
 class HostValueStore(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None):
-        self.page_tokens = page_tokens
+                 dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None,
+                 value_format: str = "model", chunk_size: int = 1):
+        self.page_tokens, self.chunk_size = page_tokens, chunk_size
+        self.dtype = dtype  # what gather returns
+        self.fp8 = value_format == "fp8"
         self.shape = (num_layers, num_pages, page_tokens, num_kv_heads, head_dim)
-        self.dtype = dtype
+        self.scales_shape = (num_layers, num_pages, page_tokens // chunk_size, num_kv_heads) if self.fp8 else None
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self.placement = placement
         self.numa_bound = False
         self._written = None  # CUDA event after the last write queued from the device
-        self.values = self._allocate_region()  # (L, num_pages, page_tokens, Hkv, d)
-        page_bytes = num_layers * page_tokens * num_kv_heads * head_dim * dtype.itemsize  # values, every layer
-        super().__init__(num_pages, page_bytes, f"pages of {page_tokens} tokens in the host value store")
+        self.values, self.scales = self._allocate_region()  # (L, pages, page_tokens, Hkv, d); fp8: + scales
+        per_layer = page_tokens * num_kv_heads * head_dim * self.values.element_size()
+        if self.fp8:
+            per_layer += math.prod(self.scales_shape[2:]) * self.scales.element_size()
+        super().__init__(num_pages, num_layers * per_layer, f"pages of {page_tokens} tokens in the host value store")
 
-    def _allocate_region(self) -> torch.Tensor:
-        """The one host allocation of the store, bound to the GPU's NUMA node before anything touches it. Pinned
-        regions start and end on OS page boundaries: cudaHostRegister refuses a range that shares a page with one
-        registered before."""
-        nbytes = math.prod(self.shape) * self.dtype.itemsize
+    def _allocate_region(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one host allocation of the store (values, then fp8 scales), bound to the GPU's NUMA node before
+        anything touches it. Pinned regions start and end on OS page boundaries: cudaHostRegister refuses a range
+        that shares a page with one registered before."""
+        value_dtype = FP8 if self.fp8 else self.dtype
+        value_bytes = math.prod(self.shape) * value_dtype.itemsize
+        scale_offset = -(-value_bytes // 16) * 16
+        nbytes = scale_offset + (math.prod(self.scales_shape) * 4 if self.fp8 else 0)
         span = -(-nbytes // OS_PAGE) * OS_PAGE
         raw = torch.empty(span + OS_PAGE, dtype=torch.uint8)  # not yet touched: no physical page placed
         start = -raw.data_ptr() % OS_PAGE
         region = raw[start:start + span]
         if self.placement is not None:
             self.numa_bound = self.placement.bind_memory(region.data_ptr(), span, load_libnuma())
-        if not self.pinned:
-            return region[:nbytes].view(self.dtype).view(self.shape)
-        err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
-        self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
-        return region[:nbytes].view(self.dtype).view(self.shape)
+        if self.pinned:
+            err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
+            self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
+        values = region[:value_bytes].view(value_dtype).view(self.shape)
+        scales = region[scale_offset:nbytes].view(torch.float32).view(self.scales_shape) if self.fp8 else None
+        return values, scales
 
     def write(self, layers: slice | int, table: torch.Tensor, start: int, values: torch.Tensor) -> None:
-        """Values ([L,] n, Hkv, d) of tokens [start, start + n) of the sequence whose page table (CPU) is `table`.
+        """Values ([L,] n, Hkv, d) of tokens [start, start + n) of the sequence whose page table (CPU) is `table`;
+        fp8 stores take whole chunks (start and n multiples of chunk_size) and quantise them where they are.
 
         One copy per run of consecutive physical pages, straight from the device into the pinned region (DMA, queued
         on the current stream: the fetch kernels that read these pages run after it; `gather` waits for it)."""
-        values = values.to(self.dtype)
         async_copy = self.pinned and values.is_cuda
-        done = 0
-        for page, offset, rows in page_runs(table.tolist(), start, values.shape[-3], self.page_tokens):
-            run_pages = -(-(offset + rows) // self.page_tokens)
-            dst = self.values[layers, page:page + run_pages].flatten(-4, -3).narrow(-3, offset, rows)
-            dst.copy_(values.narrow(-3, done, rows), non_blocking=async_copy)
-            done += rows
+        pages = table.tolist()
+        if self.fp8:
+            C = self.chunk_size
+            if start % C or values.shape[-3] % C:
+                raise ValueError(f"fp8 values are written in whole chunks of {C} tokens; got tokens "
+                                 f"[{start}, {start + values.shape[-3]})")
+            values, scales = quantize_values(values, C)
+            _copy_rows(self.scales[layers], pages, start // C, scales, 1, async_copy)
+        _copy_rows(self.values[layers], pages, start, values.to(self.values.dtype), 2, async_copy)
         if async_copy:
             self._written = torch.cuda.Event()
             self._written.record()
 
     def gather(self, layer: int, table: torch.Tensor, chunk_ids: torch.Tensor, heads: torch.Tensor,
                chunk_size: int) -> torch.Tensor:
-        """Values (M, C, d), on the host, of M (chunk, KV head) pairs of one sequence."""
+        """Values (M, C, d), on the host, of M (chunk, KV head) pairs of one sequence, in the model's dtype."""
         if self._written is not None:
             self._written.synchronize()
-        return gather_values(self.values[layer], table, chunk_ids.cpu(), heads.cpu(), chunk_size)
+        chunk_ids, heads = chunk_ids.cpu(), heads.cpu()
+        values = gather_values(self.values[layer], table, chunk_ids, heads, chunk_size)
+        if not self.fp8:
+            return values
+        return dequantize_values(values, gather_scales(self.scales[layer], table, chunk_ids, heads), self.dtype)
+
+    def scales_of(self, layer: int) -> torch.Tensor | None:
+        """One layer's fp8 scales (num_pages, page_chunks, Hkv); None when values are kept in the model's dtype."""
+        return self.scales[layer] if self.fp8 else None
+
+    def fetch_bytes(self, chunk_size: int) -> int:
+        """Host bytes read to fetch one chunk of one KV head."""
+        d = self.shape[-1]
+        return chunk_size * d * self.values.element_size() + (self.scales.element_size() if self.fp8 else 0)
 
     def close(self) -> None:
         if self.pinned:
             self._unregister()
         self.values = None
+
+
+def _copy_rows(dst: torch.Tensor, pages: list[int], start: int, src: torch.Tensor, inner_dims: int,
+                non_blocking: bool) -> None:
+    """Rows [start, start + n) of a sequence into the store: dst ([L,] num_pages, rows_per_page, *inner) one view
+    of the store, src ([L,] n, *inner), `inner_dims` trailing dims per row; one copy per run of pages."""
+    row_dim = -1 - inner_dims
+    done = 0
+    for page, offset, rows in page_runs(pages, start, src.shape[row_dim], dst.shape[row_dim]):
+        run_pages = -(-(offset + rows) // dst.shape[row_dim])
+        run = dst.narrow(row_dim - 1, page, run_pages).flatten(row_dim - 1, row_dim)
+        run.narrow(row_dim, offset, rows).copy_(src.narrow(row_dim, done, rows), non_blocking=non_blocking)
+        done += rows
 
 
 def page_runs(pages: list[int], start: int, n: int, page_rows: int) -> list[tuple[int, int, int]]:

@@ -133,6 +133,34 @@ def gather_values(host_values: torch.Tensor, page_table: torch.Tensor, chunk_ids
     return host_values[pages, positions % page_tokens, heads[:, None]]
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def quantize_values(v: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values with one fp32 scale per chunk and KV head (the chunk is what a decode step fetches).
+
+    v ([L,] n*C, Hkv, d) -> values, same shape, float8_e4m3fn, and scales ([L,] n, Hkv) fp32, with
+    v ~= values * scale: each chunk's largest magnitude per head maps to FP8_MAX."""
+    x = v.float().unflatten(-3, (-1, chunk_size))  # ([L,] n, C, Hkv, d)
+    scales = (x.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # ([L,] n, Hkv)
+    values = (x / scales[..., None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.flatten(-4, -3), scales
+
+
+def dequantize_values(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (M, C, d) fp8, scales (M,) fp32 -> (M, C, d) in dtype: fp32 product, one rounding (as the kernel)."""
+    return (values.float() * scales[:, None, None]).to(dtype)
+
+
+def gather_scales(host_scales: torch.Tensor, page_table: torch.Tensor, chunk_ids: torch.Tensor,
+                  heads: torch.Tensor) -> torch.Tensor:
+    """Scales of M (chunk, KV head) pairs of one sequence and layer: host_scales (num_pages, page_chunks, Hkv),
+    page_table (seq_pages,), chunk_ids, heads (M,) -> (M,) fp32."""
+    page_chunks = host_scales.shape[1]
+    return host_scales[page_table[chunk_ids // page_chunks], chunk_ids % page_chunks, heads]
+
+
 def sparse_decode_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                 scale: float) -> torch.Tensor:
     """One sequence's decode attention over its selected keys: q (Hq, d), keys/values (Hkv, n, d) (each KV head its
