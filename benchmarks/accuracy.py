@@ -5,8 +5,9 @@ needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled t
 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
 per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
 rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys).
-Writes benchmarks/results/accuracy.json (a list of rows), accuracy.meta.json (command, device, versions, timings),
-accuracy.md and one NIAH heatmap PNG per method.
+shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head).
+Writes benchmarks/results/accuracy.json (a list of rows), accuracy.meta.json (the runs: command, device, versions,
+timings; --merge adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method.
 
     python -m benchmarks.accuracy --model models/shadowkv-small --device cuda
 """
@@ -35,7 +36,8 @@ HEATMAP_BUDGET = 0.0156
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 
 
-def shadowkv_config(model: str, context: int, budget: float, rank_share: float = RANK_SHARE) -> ShadowKVConfig:
+def shadowkv_config(model: str, context: int, budget: float, rank_share: float = RANK_SHARE,
+                    value_format: str = "model") -> ShadowKVConfig:
     """The method's cache config for one context length; budget is a fraction of the context, rank_share one of
     kv_heads*head_dim."""
     cfg = read_config(Path(model))
@@ -44,14 +46,15 @@ def shadowkv_config(model: str, context: int, budget: float, rank_share: float =
     return ShadowKVConfig(rank=max(1, round(rank_share * width)), chunk_size=chunk,
                           sparse_budget=max(1, round(budget * context / chunk)) * chunk,
                           outlier_chunks=OUTLIER_CHUNKS, local_chunks=4,
-                          min_context=0, decode_window=128)
+                          min_context=0, decode_window=128, value_format=value_format)
 
 
 def run(model: str, method: str, budget: float, samples: list, device: str,
         rank_share: float = RANK_SHARE) -> tuple[list[str], list[float]]:
     """Greedy completions of same-length samples with one method; and the hit rate of each decode step."""
     context = len(samples[0].prompt_ids)
-    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share)
+    value_format = "fp8" if method == "shadowkv_fp8" else "model"
+    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share, value_format)
     # The PyTorch reference decode path for every method (Quest's scorer needs it; the kernels equal it by test)
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=16,
               gpu_cache_gib=2, host_cache_gib=2, use_kernels=False)
@@ -73,17 +76,20 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
     return [texts[i] for i in range(len(samples))], hit_rates
 
 
-def methods(budgets: list[float]) -> list[tuple[str, float]]:
-    """Dense first, then both sparse methods per budget, the paper's 1.56 % (if asked for) first."""
+METHODS = ("dense", "shadowkv", "quest", "shadowkv_fp8")  # shadowkv_fp8: ShadowKV with fp8 values on the host
+
+
+def methods(budgets: list[float], chosen=METHODS) -> list[tuple[str, float]]:
+    """Dense first, then the sparse methods per budget, the paper's 1.56 % (if asked for) first."""
     ordered = sorted(budgets, key=lambda b: b != HEATMAP_BUDGET)
-    return [("dense", 1.0)] + [(m, b) for b in ordered for m in ("shadowkv", "quest")]
+    return [("dense", 1.0)] * ("dense" in chosen) + [(m, b) for b in ordered for m in METHODS[1:] if m in chosen]
 
 
 def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
     """Rows of every (method, budget) over every group, saved as they come; stops starting runs past
     --max-minutes. Groups map (task, context) to same-length samples; the NIAH grid's rows are per depth."""
     rows, start = [], time.time()
-    for method, budget in methods(args.budgets):
+    for method, budget in methods(args.budgets, args.methods):
         for (task, context), samples in groups.items():
             if time.time() - start > args.max_minutes * 60:
                 log(f"time limit: stopped before {method} {budget} {task} {context}")
@@ -122,7 +128,7 @@ def sample_groups(args) -> dict[tuple, list]:
 
 def markdown(rows: list[dict], budgets: list[float]) -> str:
     """Task rows x method columns, averaged over the contexts; then the task average per context."""
-    cols = methods(budgets)
+    cols = methods(budgets, {r["method"] for r in rows})
     head = "| task | " + " | ".join(f"{m} {b:.2%}" if m != "dense" else "dense" for m, b in cols) + " |"
     lines = [head, "|---" * (len(cols) + 1) + "|"]
     tasks = [t for t in (*TASKS, "niah_grid") if any(r["task"] == t for r in rows)]
@@ -173,6 +179,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/shadowkv-small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--rank-share", type=float, default=RANK_SHARE, help="ShadowKV's rank / (kv_heads*head_dim)")
     parser.add_argument("--quest-rank-share", type=float, default=1.0,
                         help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")
@@ -184,20 +191,41 @@ def main() -> None:
     parser.add_argument("--niah-samples", type=int, default=4)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="start no run past this")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of other (method, budget) pairs already in --out-dir's accuracy.json")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    save = lambda rows: (out_dir / "accuracy.json").write_text(json.dumps(rows, indent=1))  # noqa: E731
-    rows = score_rows(args, sample_groups(args), save, lambda msg: print(msg, flush=True))
+    kept = kept_rows(out_dir / "accuracy.json", methods(args.budgets, args.methods)) if args.merge else []
+    save = lambda rows: (out_dir / "accuracy.json").write_text(json.dumps(kept + rows, indent=1))  # noqa: E731
+    rows = kept + score_rows(args, sample_groups(args), save, lambda msg: print(msg, flush=True))
     meta = {"command": "python -m benchmarks.accuracy " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1), "model": args.model}
-    (out_dir / "accuracy.meta.json").write_text(json.dumps(meta, indent=1))
-    table = markdown(rows, args.budgets)
-    (out_dir / "accuracy.md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}")
+    meta_path = out_dir / "accuracy.meta.json"
+    runs = earlier_runs(meta_path) + [meta] if args.merge else [meta]
+    meta_path.write_text(json.dumps(runs, indent=1))
+    table = markdown(rows, sorted({r["budget"] for r in rows if r["method"] != "dense"}))
+    commands = "\n".join(f"`{run['command']}` on {run['device']}" for run in runs)
+    (out_dir / "accuracy.md").write_text(f"{commands}\n\n{table}")
     heatmaps(rows, out_dir)
     print(table)
+
+
+def kept_rows(path: Path, replaced: list[tuple[str, float]]) -> list[dict]:
+    """The rows of an earlier accuracy.json whose (method, budget) this run does not measure again."""
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text()) if (r["method"], r["budget"]) not in replaced]
+
+
+def earlier_runs(path: Path) -> list[dict]:
+    """The runs recorded in an earlier accuracy.meta.json (one run, or a list of them)."""
+    if not path.exists():
+        return []
+    meta = json.loads(path.read_text())
+    return meta if isinstance(meta, list) else [meta]
 
 
 def device_name(device: str) -> str:
