@@ -297,40 +297,48 @@ def wait_gone(pid: int, within_s: float) -> None:
         time.sleep(0.2)
 
 
-def run_phases(profile: Profile, record: dict, out: Path, deadline: float) -> None:
+def run_phases(profile: Profile, record: dict, out: Path, deadline: float, phases: set[str]) -> None:
+    """`phases`: "compare" (engine alone, then service), "timeline" (overload burst, load, scale down)."""
     model = write_geometry(profile.geometry)
     args = app_args(profile, model)
     parsed = AppArgs(**args)
     record["app_args"] = {**args, "model": "<random-weight geometry: profile.geometry>"}
-    vocab, served = profile.geometry["vocab_size"], parsed.served_model_name
-    prompts = random_prompts(profile.batch, profile.context - profile.max_tokens, vocab)
+    prompts = random_prompts(profile.batch, profile.context - profile.max_tokens, profile.geometry["vocab_size"])
     go = str(Path(model) / "go")
-    gpus = 0 if parsed.num_gpus == 0 else 1
     with ray_session(num_cpus=os.cpu_count(), num_gpus=profile.num_gpus, object_store_memory=2 << 30), \
             contextlib.ExitStack() as stack:
         record["ray_resources"] = ray.cluster_resources()
-        task = ray.remote(max_calls=1)(engine_alone).options(num_gpus=gpus, num_cpus=parsed.num_cpus).remote(
-            engine_config(parsed, resolve_model(parsed)), prompts, profile.max_tokens, go)
+        task = None
+        if "compare" in phases:
+            task = ray.remote(max_calls=1)(engine_alone).options(
+                num_gpus=0 if parsed.num_gpus == 0 else 1, num_cpus=parsed.num_cpus).remote(
+                engine_config(parsed, resolve_model(parsed)), prompts, profile.max_tokens, go)
         url = None
         with phase(record, "service_start", out):
             url = stack.enter_context(serve_on_loopback(args, APP))
         Path(go).touch()
-        with phase(record, "engine_alone", out) as entry:
-            try:
-                alone = ray.get(task, timeout=max(10.0, deadline - time.monotonic() - 300))
-            except Exception:
-                ray.cancel(task, force=True)  # its GPU back to Ray, for the second replica
-                raise
-            record["environment"] = alone.pop("environment")
-            entry.update({**alone, **summarize_streams(alone["streams"])})
-            wait_gone(alone["pid"], within_s=30)
-        if url is None:
-            return
+        if task is not None:
+            engine_vs_service(task, record, out, deadline, url, parsed.served_model_name, prompts, profile.max_tokens)
+        if url is not None and "timeline" in phases:
+            with phase(record, "timeline", out) as entry:
+                entry.update(timeline(profile, parsed, url, out, deadline))
+
+
+def engine_vs_service(task, record: dict, out: Path, deadline: float, url: str | None, model: str,
+                      prompts: list[list[int]], max_tokens: int) -> None:
+    with phase(record, "engine_alone", out) as entry:
+        try:
+            alone = ray.get(task, timeout=max(10.0, deadline - time.monotonic() - 300))
+        except Exception:
+            ray.cancel(task, force=True)  # its GPU back to Ray, for the second replica
+            raise
+        record["environment"] = alone.pop("environment")
+        entry.update({**alone, **summarize_streams(alone["streams"])})
+        wait_gone(alone["pid"], within_s=30)
+    if url is not None:
         with phase(record, "service", out) as entry:
-            streams = asyncio.run(asyncio.wait_for(service_batches(url, served, prompts, profile.max_tokens), 240))
+            streams = asyncio.run(asyncio.wait_for(service_batches(url, model, prompts, max_tokens), 240))
             entry.update({"streams": streams, **summarize_streams(streams)})
-        with phase(record, "timeline", out) as entry:
-            entry.update(timeline(profile, parsed, url, out, deadline))
 
 
 def timeline(profile: Profile, parsed: AppArgs, url: str, out: Path, deadline: float) -> dict:
@@ -395,6 +403,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the tiny geometry on CPU (a rehearsal)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=None, help="default: the profile's")
+    parser.add_argument("--phases", nargs="+", choices=["compare", "timeline"], default=["compare", "timeline"])
     args = parser.parse_args()
     profile = CPU if args.cpu else GPU
     args.out.mkdir(parents=True, exist_ok=True)
@@ -403,7 +412,7 @@ def main() -> None:
               "profile": {k: v for k, v in asdict(profile).items() if k != "geometry"}, "phases": {}}
     arm_watchdog(deadline + 20, record, args.out)
     try:
-        run_phases(profile, record, args.out, deadline)
+        run_phases(profile, record, args.out, deadline, set(args.phases))
     finally:
         write(record, args.out / "serve_gpu.json")
         with contextlib.suppress(OSError):
