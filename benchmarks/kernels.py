@@ -103,9 +103,9 @@ def run_scores(s, block_n=64):
                            s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
 
 
-def run_fetch(s, misses_per_program=4):
+def run_fetch(s, misses_per_program=4, max_programs=None):
     fetch_values(s["host"], s["host_table"], s["miss_chunks"], s["miss_slots"], s["num_miss"], s["slot_ids"],
-                 s["value_slots"], C, misses_per_program=misses_per_program)
+                 s["value_slots"], C, misses_per_program=misses_per_program, max_programs=max_programs)
 
 
 def run_rebuild(s, miss_block=16):
@@ -113,17 +113,27 @@ def run_rebuild(s, miss_block=16):
                  s["num_miss"], s["slot_ids"], s["key_slots"], C, miss_block=miss_block)
 
 
-def fetch_and_rebuild(s, side_a, side_b, misses_per_program=4):
+def fetch_and_rebuild(s, side_a, side_b, misses_per_program=4, max_programs=None):
     """Value fetch on stream A, key rebuild on stream B, both joined back to the current stream by events."""
+    fetch_beside(s, side_a, side_b, lambda: run_rebuild(s), misses_per_program, max_programs)
+
+
+def fetch_beside(s, side_a, side_b, other, misses_per_program=4, max_programs=None):
+    """Value fetch on stream A, other() on stream B, both joined back to the current stream by events."""
     main = torch.cuda.current_stream()
     side_a.wait_stream(main)
     side_b.wait_stream(main)
-    with torch.cuda.stream(side_b):  # the short rebuild first: fetch programs waiting on PCIe would hold the SMs
-        run_rebuild(s)
+    with torch.cuda.stream(side_b):  # the short work first: fetch programs waiting on PCIe would hold the SMs
+        other()
     with torch.cuda.stream(side_a):
-        run_fetch(s, misses_per_program)
+        run_fetch(s, misses_per_program, max_programs)
     main.wait_stream(side_a)
     main.wait_stream(side_b)
+
+
+def overlap_pct(a_ms: float, b_ms: float, both_ms: float) -> float:
+    """How much of the shorter of two works hid under the other: 100 = fully, 0 = one after the other."""
+    return 100 * (a_ms + b_ms - both_ms) / min(a_ms, b_ms)
 
 
 def run_attention(s):
@@ -165,7 +175,31 @@ def bench_fetch_rebuild(s, d2d, h2d, tag=""):
     both_ms = bench(lambda: fetch_and_rebuild(s, *streams, best[1]))
     record("fetch || rebuild" + tag, both_ms, value_bytes, h2d, batch=s["batch"],  # bytes: over PCIe
            fetch_alone_ms=fetch_ms, rebuild_alone_ms=rebuild_ms, serial_ms=fetch_ms + rebuild_ms,
-           overlap_pct=100 * (fetch_ms + rebuild_ms - both_ms) / min(fetch_ms, rebuild_ms))
+           overlap_pct=overlap_pct(fetch_ms, rebuild_ms, both_ms))
+    return best[1]
+
+
+def bench_fetch_grid(s, d2d, h2d, misses_per_program):
+    """The value fetch with its grid capped (persistent programs), alone, beside the key rebuild, and beside HBM-bound
+    work of about its own length (a device copy, standing in for a layer's weight reads): whether fewer programs
+    waiting on PCIe leave the multiprocessors to the other stream's work."""
+    value_bytes = s["misses"] * C * D * 2
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    fetch_full = bench(lambda: run_fetch(s, misses_per_program))
+    src = torch.empty(int(fetch_full * 1e-3 * d2d * 1e9 / 2), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    rebuild_ms = bench(lambda: run_rebuild(s))
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for cap in (None, 2 * sms, sms, sms // 2, sms // 4, sms // 8):
+        fetch_ms = bench(lambda: run_fetch(s, misses_per_program, cap))
+        with_rebuild = bench(lambda: fetch_and_rebuild(s, *streams, misses_per_program, cap))
+        with_copy = bench(lambda: fetch_beside(s, *streams, lambda: dst.copy_(src), misses_per_program, cap))
+        record(f"fetch_values grid {cap or 'full'}", fetch_ms, value_bytes, h2d, batch=s["batch"],
+               max_programs=cap, misses_per_program=misses_per_program, rebuild_ms=rebuild_ms,
+               with_rebuild_ms=with_rebuild, rebuild_overlap_pct=overlap_pct(fetch_ms, rebuild_ms, with_rebuild),
+               hbm_copy_ms=copy_ms, hbm_copy_bytes=2 * src.numel(), with_hbm_copy_ms=with_copy,
+               hbm_copy_overlap_pct=overlap_pct(fetch_ms, copy_ms, with_copy))
 
 
 def bench_attention(s, d2d, context):
@@ -226,7 +260,8 @@ def main() -> None:
     d2d, h2d = ceilings()
     s = shadow_batch(args.batch, args.context, hit_rate=0.6)
     bench_scores(s, d2d)
-    bench_fetch_rebuild(s, d2d, h2d, tag=" (60% hits)")
+    mpp = bench_fetch_rebuild(s, d2d, h2d, tag=" (60% hits)")
+    bench_fetch_grid(s, d2d, h2d, mpp)
     s["num_miss"].fill_(K)
     s["misses"] = s["batch"] * HKV * K
     bench_fetch_rebuild(s, d2d, h2d, tag=" (all miss)")
@@ -247,6 +282,12 @@ def main() -> None:
         eager = f"{r['eager_ms']:.4f}" if "eager_ms" in r else "-"
         print(f"{r['kernel']:<52}{r['time_ms']:>8.4f}{eager:>8}{r['bytes'] / 1e6:>9.1f}{r['gbps']:>8.1f}"
               f"{r['ceiling_gbps']:>8.1f}{pct:>5}")
+    print(f"\n{'capped fetch grid':<28}{'fetch ms':>9}{'GB/s':>7}{'+rebuild':>9}{'overlap%':>9}{'+HBM copy':>10}"
+          f"{'overlap%':>9}")
+    for r in ROWS:
+        if "hbm_copy_overlap_pct" in r:
+            print(f"{r['kernel']:<28}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}{r['with_rebuild_ms']:>9.4f}"
+                  f"{r['rebuild_overlap_pct']:>9.0f}{r['with_hbm_copy_ms']:>10.4f}{r['hbm_copy_overlap_pct']:>9.0f}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
                                             contiguous); only the missed slots are written
   host_scales  (P, PAGE_TOKENS/C, Hkv) fp32 optional: host_values are then float8_e4m3fn, dequantised here as
                                             fp32 value * its chunk's scale, rounded once to value_slots' dtype
-One program per (sequence, KV head, MISSES_PER_PROGRAM misses); programs past num_miss return at once.
+Work items of (sequence, KV head, MISSES_PER_PROGRAM misses), one per program or, with a capped grid, several;
+items past num_miss do nothing.
 """
 import torch
 import triton
@@ -22,37 +23,44 @@ import triton.language as tl
 
 @triton.jit
 def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr,
-                         out_ptr, stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh,
-                         stride_nb, stride_on, stride_oh,
-                         CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         MISSES_PER_PROGRAM: tl.constexpr, FP8: tl.constexpr):
-    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
-    if pid * MISSES_PER_PROGRAM >= num_miss:
-        return
+                         out_ptr, num_items, stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb,
+                         stride_mh, stride_nb, stride_on, stride_oh,
+                         NUM_HEADS: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
+                         PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
+                         FP8: tl.constexpr):
+    # Work items (sequence, KV head, block of MISSES_PER_PROGRAM misses), taken in turn by the grid's programs: one
+    # each with a full grid, several each with a capped (persistent) one.
     ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
-    miss = pid * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
-    r_mask = miss < num_miss
-    chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
-    slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
-    token = chunk * CHUNK + offs_r % CHUNK
-    page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
-    src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
-    vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=r_mask[:, None])
-    if FP8:
-        scale = tl.load(scales_ptr + page * stride_sp + (token % PAGE_TOKENS) // CHUNK * stride_sc + h,
-                        mask=r_mask, other=0.0)
-        vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
-    tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        blk, h, b = item % BLOCKS, item // BLOCKS % NUM_HEADS, item // (BLOCKS * NUM_HEADS)
+        num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
+        if blk * MISSES_PER_PROGRAM < num_miss:
+            miss = blk * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
+            r_mask = miss < num_miss
+            chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+            slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+            token = chunk * CHUNK + offs_r % CHUNK
+            page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
+            src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
+            vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=r_mask[:, None])
+            if FP8:
+                scale = tl.load(scales_ptr + page * stride_sp + (token % PAGE_TOKENS) // CHUNK * stride_sc + h,
+                                mask=r_mask, other=0.0)
+                vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
+            tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals.to(out_ptr.dtype.element_ty),
+                     mask=r_mask[:, None])
 
 
 def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
                  miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor, value_slots: torch.Tensor,
-                 chunk_size: int, misses_per_program: int = 4, host_scales: torch.Tensor | None = None) -> None:
+                 chunk_size: int, misses_per_program: int = 4, host_scales: torch.Tensor | None = None,
+                 max_programs: int | None = None) -> None:
+    """max_programs caps the grid (programs then loop over the work): fewer multiprocessors wait on PCIe, the others
+    stay free for work on other streams. None: one program per (sequence, KV head, block of misses)."""
     P, page_tokens, Hkv, d = host_values.shape
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
@@ -74,11 +82,13 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous() and num_miss.shape == (B, Hkv)
     assert host_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
     assert host_table.stride(1) == 1 and host_table.shape[0] == B and slot_ids.shape == (B,)
-    grid = (triton.cdiv(K, misses_per_program), Hkv, B)
+    blocks = triton.cdiv(K, misses_per_program)
+    num_items = B * Hkv * blocks
+    grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
-        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots,
+        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots, num_items,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
         value_slots.stride(0), value_slots.stride(1),
-        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d, MISSES_PER_PROGRAM=misses_per_program, FP8=fp8,
-        num_warps=4)
+        NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
+        MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, num_warps=4)

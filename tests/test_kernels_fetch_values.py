@@ -7,7 +7,7 @@ from shadowkv_core.shadowkv.batched_reference import gather_values_batched
 from shadowkv_core.shadowkv.reference import quantize_values
 
 
-def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False):
+def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, max_programs=None):
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
@@ -26,7 +26,8 @@ def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=Fal
     expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C, host_scales)
     got = value_slots.clone()
     got[expected != value_slots] = float("nan")  # poison the outputs
-    fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales)
+    fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales,
+                 max_programs=max_programs)
     assert_close(got, expected, dtype, "value slots", tol=(0, 0))  # a copy (fp8: one product, one rounding): bit-exact
 
 
@@ -34,6 +35,11 @@ def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=Fal
 @pytest.mark.parametrize("num_chunks,Hkv,K", [([37, 5, 70], 2, 12), ([3], 3, 5)])
 def test_fetch_values_small(num_chunks, Hkv, K, dtype):
     _check(num_chunks, Hkv, 32, K, 4, 16, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("max_programs", [1, 5])
+def test_fetch_values_capped_grid_loops_over_all_the_work(max_programs):
+    _check([37, 5, 70], 2, 32, 12, 4, 16, torch.float16, DEVICE, seed=4, max_programs=max_programs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -55,4 +61,4 @@ def test_fetch_values_fp8_llama():
     C = LLAMA["chunk_size"]
     num_chunks = ragged_lengths(128 * 1024 // C, 4, seed=5)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
-           "cuda", fp8=True)
+           "cuda", fp8=True, max_programs=32)
