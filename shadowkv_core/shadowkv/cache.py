@@ -72,6 +72,11 @@ class ShadowKVCache(KVCache):
         self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else None
+        # The value fetch's grid is capped at half the multiprocessors: it still moves ~91 % of the host-to-device
+        # bandwidth, and leaves the other half to the key rebuild on the other stream (benchmarks/kernels.py on an
+        # H200: 85 % of the rebuild hidden with 66 programs, none with the full grid).
+        self.fetch_programs = torch.cuda.get_device_properties(self.device).multi_processor_count // 2 \
+            if self.device.type == "cuda" else None
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._split: tuple[AttentionMetadata, BatchSplit] | None = None
 

@@ -115,7 +115,8 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
                    lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids,
-                                        slots.sparse_v[:, layer], C, host_scales=cache.host.scales_of(layer)))
+                                        slots.sparse_v[:, layer], C, host_scales=cache.host.scales_of(layer),
+                                        max_programs=cache.fetch_programs))
 
 
 def on_two_streams(streams: tuple | None, first, second) -> None:
