@@ -39,6 +39,16 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
+    def halves(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The batch's first and second halves of sequences (tokens follow their sequences), for a forward whose two
+        halves are pipelined against each other; the whole forward is still finished with this metadata."""
+        h = self.num_seqs // 2
+        rows = sum(self.query_lens[:h])
+        return tuple(AttentionMetadata(self.is_prefill, self.seq_ids[part], self.query_lens[part],
+                                       self.context_lens[part], positions)
+                     for part, positions in ((slice(0, h), self.positions[:rows]),
+                                             (slice(h, None), self.positions[rows:])))
+
 
 class KVCache(abc.ABC):
     """A cache for every layer of one model on one device. Buffers are sized and allocated once."""
@@ -48,6 +58,16 @@ class KVCache(abc.ABC):
                meta: AttentionMetadata) -> torch.Tensor:
         """q (T, Hq, d) post-RoPE; k_pre, k_rot, v (T, Hkv, d). Stores this forward's keys/values for `layer`
         and returns the attention output (T, Hq, d)."""
+
+    def attend_begin(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata):
+        """`attend` in two parts, for a caller that has other work to queue meanwhile: begin starts it (a cache
+        with side streams leaves its host transfers in flight) and returns a handle; attend_end(handle) returns
+        the output. Here: all of it at once."""
+        return self.attend(layer, q, k_pre, k_rot, v, meta)
+
+    def attend_end(self, handle) -> torch.Tensor:
+        return handle
 
     @abc.abstractmethod
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:

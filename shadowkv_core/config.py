@@ -88,6 +88,9 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     use_kernels: decode on the Triton kernels (dense paged and ShadowKV); None: on CUDA yes, elsewhere the PyTorch
         reference.
+    pipeline_decode: decode a batch of two or more in halves pipelined layer by layer (Decoder.forward_halves), so
+        that one half's host value fetch runs under the other half's compute; ShadowKV only. Off by default: it
+        reads the weights twice per step, and pays only where the fetch outweighs that.
     """
 
     model: str
@@ -106,6 +109,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     use_kernels: bool | None = None
+    pipeline_decode: bool = False
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")

@@ -54,10 +54,9 @@ class DenseKVCache(KVCache):
         self.block_tables: dict[int, list[int]] = {}
         self._table_tensors: dict[int, torch.Tensor] = {}  # (blocks,) int32 per sequence, for the decode plan
         self.lengths: dict[int, int] = {}
-        self._rows_cache: tuple[AttentionMetadata, torch.Tensor] | None = None
+        self._forward_state: dict[tuple[str, int], tuple[AttentionMetadata, object]] = {}  # see _per_forward
         # Decode on the Triton paged flash-decoding kernel by default on CUDA; the PyTorch reference elsewhere.
         self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
-        self._decode_plan: tuple[AttentionMetadata, tuple] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -92,13 +91,18 @@ class DenseKVCache(KVCache):
         pos = torch.arange(start, end)
         return (table[pos // self.block_size - first] * self.block_size + pos % self.block_size).to(self.k.device)
 
+    def _per_forward(self, meta: AttentionMetadata, key: str, build):
+        """What every layer of a forward shares, built once per metadata object (a pipelined forward has one per
+        half). Held with the object, not by its id alone: a forward that failed never reached finish_forward, and a
+        new object may reuse a freed one's id."""
+        held = self._forward_state.get((key, id(meta)))
+        if held is None or held[0] is not meta:
+            held = self._forward_state[key, id(meta)] = (meta, build())
+        return held[1]
+
     def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
-        # The same rows serve every layer of a forward: build them once per metadata object (held, not its id: a
-        # forward that failed never reached finish_forward, and a new object may reuse a freed one's id).
-        if self._rows_cache is None or self._rows_cache[0] is not meta:
-            rows = [self.token_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]
-            self._rows_cache = (meta, torch.cat(rows))
-        return self._rows_cache[1]
+        return self._per_forward(meta, "rows", lambda: torch.cat(
+            [self.token_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]))
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
         rows = self._write_rows(meta)
@@ -120,13 +124,13 @@ class DenseKVCache(KVCache):
 
     def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
-        if self._decode_plan is None or self._decode_plan[0] is not meta:
+        def plan():
             table = torch.nn.utils.rnn.pad_sequence([self._table_tensors[s] for s in meta.seq_ids], batch_first=True)
             lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
             slots = torch.zeros(len(meta.seq_ids), dtype=torch.int32)
-            self._decode_plan = (meta, (table.to(q.device), lens.to(q.device), slots.to(q.device),
-                                        max(meta.context_lens) + 1))
-        table, lens, slots, max_len = self._decode_plan[1]
+            return table.to(q.device), lens.to(q.device), slots.to(q.device), max(meta.context_lens) + 1
+
+        table, lens, slots, max_len = self._per_forward(meta, "decode_plan", plan)
         pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
         return decode_attention(q.contiguous(), [pool], slots, self.scale, max_len, page_table=table,
                                 page_size=self.block_size)
@@ -134,8 +138,7 @@ class DenseKVCache(KVCache):
     def finish_forward(self, meta):
         for seq_id, n in zip(meta.seq_ids, meta.query_lens):
             self.lengths[seq_id] += n
-        self._rows_cache = None
-        self._decode_plan = None
+        self._forward_state.clear()
 
     def stats(self):
         return {

@@ -208,3 +208,33 @@ def test_a_short_prompt_with_a_long_generation_is_kept_in_shadows(tiny_path, den
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)  # 46 tokens > min_context (16)
     assert shadow.engine.can_admit(6, 40)
     assert shadow.generate([prompt], params)[0].token_ids == dense_llm.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
+def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
+    """pipeline_decode only reorders work (two halves, layer by layer): same tokens, same selections and fetches, on
+    a sparse config (low rank, small budget: misses every step) and a ragged batch mixing dense and shadow
+    sequences."""
+    sparse = ShadowKVConfig(rank=8, chunk_size=4, sparse_budget=8, outlier_chunks=1, local_chunks=2,
+                            min_context=16, decode_window=8)
+    prompts = prompts_of_lengths([90, 5, 61, 47, 120], seed=23)  # 5 + 10 tokens stay dense
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    runs, halves_calls = [], []
+    for pipeline in (False, True):
+        llm = LLM(model=tiny_path, max_num_seqs=5, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse,
+                  use_kernels=use_kernels, pipeline_decode=pipeline)
+        model = llm.engine.runner.model
+        halves = model.forward_halves
+        model.forward_halves = lambda *args: halves_calls.append(pipeline) or halves(*args)
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(str(i), p, params)
+        tokens, fetched = {}, []
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                tokens[out.request_id] = out.token_ids
+            fetched.append(llm.engine.cache.stats()["chunks_fetched"])
+        runs.append((tokens, fetched))
+        assert cache_is_empty(llm.engine)
+    assert runs[0] == runs[1]
+    assert halves_calls and all(halves_calls)  # the pipelined engine decoded in halves, the other never
+    assert sum(runs[0][1]) > 0  # the sparse config fetched: the halves' counters are summed, not overwritten

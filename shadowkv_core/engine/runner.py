@@ -36,10 +36,11 @@ class PrefillJob:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, pipeline_decode: bool = False):
         self.model = model
         self.cache = cache
         self.device = device
+        self.pipeline_decode = pipeline_decode  # decode batches of >= 2 in two pipelined halves
 
     @property
     def num_layers(self) -> int:
@@ -75,6 +76,7 @@ class ModelRunner:
         input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.int64)
         meta = AttentionMetadata(False, [s.seq_id for s in seqs], [1] * len(seqs), context,
                                  torch.tensor(context, dtype=torch.int64, device=self.device))
-        hidden = self.model(input_ids.to(self.device), meta.positions, self.cache, meta)  # (B, H)
+        forward = self.model.forward_halves if self.pipeline_decode and len(seqs) >= 2 else self.model
+        hidden = forward(input_ids.to(self.device), meta.positions, self.cache, meta)  # (B, H)
         self.cache.finish_forward(meta)
         return self.model.compute_logits(hidden)

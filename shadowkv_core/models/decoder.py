@@ -47,6 +47,34 @@ class Decoder(nn.Module):
             h = layer(h, positions, seq_lens, cache, meta)
         return h
 
+    def forward_halves(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """forward, over the batch's two halves (AttentionMetadata.halves) software-pipelined layer by layer: while one
+        half's attention waits for what its cache fetches from the host (begun on side streams), the other half's
+        previous layer finishes (attention, MLP) and its next one begins. Same results per token as forward; the
+        weights are read once per half."""
+        metas = meta.halves()
+        rows = metas[0].positions.shape[0]
+        h = list(self.embed_tokens(input_ids).split([rows, input_ids.shape[0] - rows]))
+        pos = [m.positions for m in metas]
+        lens = [self._rope_seq_lens(m, positions.device) if self.rotary.uses_seq_lens else None for m in metas]
+        layers = self.layers
+
+        def begin(half: int, i: int):
+            return layers[i].begin(h[half], pos[half], lens[half], cache, metas[half])
+
+        first = begin(0, 0)
+        second = None
+        for i in range(len(layers)):
+            if i:
+                h[1] = layers[i - 1].end(h[1], second, cache)
+            second = begin(1, i)
+            h[0] = layers[i].end(h[0], first, cache)
+            if i + 1 < len(layers):
+                first = begin(0, i + 1)
+        h[1] = layers[-1].end(h[1], second, cache)
+        return self.final_norm(torch.cat(h))
+
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return chunked(self.norm, h, self.chunk_tokens)
 

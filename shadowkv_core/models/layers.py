@@ -69,13 +69,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        if n <= self.chunk_tokens:
+        return self.end(self.begin(x, positions, seq_lens, cache, meta), cache)
+
+    def begin(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
+              meta: AttentionMetadata):
+        """Project and hand the layer's tokens to the cache (KVCache.attend_begin); -> a handle for `end`."""
+        if x.shape[0] <= self.chunk_tokens:
             q, k_pre, k_rot, v = self._project(x, positions, seq_lens)
         else:
             q, k_pre, k_rot, v = self._project_chunked(x, positions, seq_lens)
-        out = cache.attend(self.layer_idx, q, k_pre, k_rot, v, meta)  # (T, Hq, d)
-        return chunked(self.o_proj, out.reshape(n, self.q_size), self.chunk_tokens)
+        return cache.attend_begin(self.layer_idx, q, k_pre, k_rot, v, meta)
+
+    def end(self, handle, cache: KVCache) -> torch.Tensor:
+        out = cache.attend_end(handle)  # (T, Hq, d)
+        return chunked(self.o_proj, out.reshape(out.shape[0], self.q_size), self.chunk_tokens)
 
     def _project_chunked(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         n = x.shape[0]
@@ -112,7 +119,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(chunked(self.input_layernorm, h, self.chunk_tokens), positions, seq_lens, cache, meta)
+        return self.end(h, self.begin(h, positions, seq_lens, cache, meta), cache)
+
+    def begin(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
+              meta: AttentionMetadata):
+        """The layer up to its cache's attention, begun (see KVCache.attend_begin); `end` does the rest."""
+        return self.self_attn.begin(chunked(self.input_layernorm, h, self.chunk_tokens), positions, seq_lens, cache,
+                                    meta)
+
+    def end(self, h: torch.Tensor, handle, cache: KVCache) -> torch.Tensor:
+        attn = self.self_attn.end(handle, cache)
         if self.post_self_attn_layernorm is not None:
             attn = self.post_self_attn_layernorm(attn)
         h = h + attn

@@ -15,7 +15,7 @@ import torch
 
 from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
-from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
 from shadowkv_core.shadowkv.pages import GpuPages
@@ -39,7 +39,7 @@ class BatchSplit:
     dense_tokens: torch.Tensor  # (T_dense,) rows of the forward's tokens that belong to dense sequences
     shadow: list[tuple[SequenceState, int, int]]  # (state, query_start, query_len)
     shadow_tokens: torch.Tensor  # (S,) rows of the forward's tokens that belong to shadow sequences
-    plan: DecodePlan | None = None  # the fast path's bookkeeping of a decode forward, shared by its layers
+    plan: DecodePlan | None = None  # the fast path's bookkeeping of a decode forward (or half), shared by its layers
 
 
 class ShadowKVCache(KVCache):
@@ -78,7 +78,8 @@ class ShadowKVCache(KVCache):
         self.fetch_programs = torch.cuda.get_device_properties(self.device).multi_processor_count // 2 \
             if self.device.type == "cuda" else None
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
-        self._split: tuple[AttentionMetadata, BatchSplit] | None = None
+        self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
+        self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)
 
     # ---- allocation ----
 
@@ -140,6 +141,11 @@ class ShadowKVCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend_end(self.attend_begin(layer, q, k_pre, k_rot, v, meta))
+
+    def attend_begin(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata):
+        """Everything but the fast path's wait for its side streams and its attention (attend_end)."""
         split = self._split_batch(meta)
         out = torch.empty_like(q)  # (T, Hq, d)
         if split.dense_meta is not None:
@@ -149,14 +155,20 @@ class ShadowKVCache(KVCache):
             rows = split.shadow_tokens
             if split.plan is None:
                 split.plan = DecodePlan.build(self, [st for st, _, _ in split.shadow])
-            out[rows] = decode_layer_fast(self, layer, split.plan, q[rows], k_pre[rows], k_rot[rows], v[rows])
-            return out
+                self._plans.append(split.plan)
+            return out, rows, begin_decode_layer(self, layer, split.plan, q[rows], k_pre[rows], k_rot[rows], v[rows])
         for st, start, n in split.shadow:
             i = slice(start, start + n)
             if meta.is_prefill:
                 out[i] = prefill_layer(self, layer, st, q[i], k_pre[i], k_rot[i], v[i])
             else:
                 out[i] = decode_layer(self, layer, st, q[start], k_pre[start], k_rot[start], v[start])[None]
+        return out, None, None
+
+    def attend_end(self, handle) -> torch.Tensor:
+        out, rows, pending = handle
+        if pending is not None:
+            out[rows] = end_decode_layer(self, pending)
         return out
 
     def _fast_decode(self) -> bool:
@@ -164,9 +176,10 @@ class ShadowKVCache(KVCache):
 
     def _split_batch(self, meta: AttentionMetadata) -> BatchSplit:
         # The same split serves every layer of a forward: build it once per metadata object (held, so that its id
-        # cannot be reused by a later forward's metadata).
-        if self._split is not None and self._split[0] is meta:
-            return self._split[1]
+        # cannot be reused by a later forward's metadata); a pipelined forward has one per half.
+        held = self._splits.get(id(meta))
+        if held is not None and held[0] is meta:
+            return held[1]
         dense_idx, shadow, dense_rows = [], [], []
         for i, (seq_id, start, n, ctx) in enumerate(zip(meta.seq_ids, meta.query_starts, meta.query_lens,
                                                         meta.context_lens)):
@@ -187,14 +200,14 @@ class ShadowKVCache(KVCache):
                 meta.is_prefill, [meta.seq_ids[i] for i in dense_idx], [meta.query_lens[i] for i in dense_idx],
                 [meta.context_lens[i] for i in dense_idx], meta.positions[dense_tokens])
         split = BatchSplit(dense_meta, dense_tokens, shadow, shadow_tokens)
-        self._split = (meta, split)
+        self._splits[id(meta)] = (meta, split)
         return split
 
     def finish_forward(self, meta: AttentionMetadata) -> None:
         split = self._split_batch(meta)
         if split.dense_meta is not None:
             self.dense.finish_forward(split.dense_meta)
-        if split.plan is not None:
+        if self._plans:
             self._count_fast_step(split)
         for st, _, n in split.shadow:
             st.seq_len += n
@@ -204,14 +217,15 @@ class ShadowKVCache(KVCache):
                     self._fold(st)
         if not meta.is_prefill:
             self.last_step, self.step = self.step, StepCounters()
-        self._split = None
+        self._splits.clear()
+        self._plans.clear()
 
     def _count_fast_step(self, split: BatchSplit) -> None:
-        """The fast path's step counters: its miss count is read back once per step, after all layers."""
+        """The fast path's step counters: its miss counts are read back once per step, after all layers."""
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
-        fetched = int(split.plan.misses)
+        fetched = int(sum(plan.misses for plan in self._plans))
         self.step = StepCounters(selected, selected - fetched, fetched,
                                  fetched * self.host.fetch_bytes(self.config.chunk_size))
 

@@ -77,19 +77,45 @@ class DecodePlan:
             misses=torch.zeros((), dtype=torch.int64, device=dev))
 
 
+@dataclass
+class PendingLayer:
+    """A layer's decode begun: selection done, the misses' key rebuild and value fetch queued on the side streams."""
+
+    layer: int
+    plan: DecodePlan
+    q: torch.Tensor
+    done: list  # CUDA events of the side streams' work; empty on CPU (done in order)
+    misses: tuple | None  # the miss lists the side streams read: held until the current stream waits for them
+
+
 def decode_layer_fast(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
     """q (B, Hq, d); k_pre, k_rot, v (B, Hkv, d) of the batch's new tokens -> attention output (B, Hq, d)."""
-    slots, slot = cache.slots, plan.slot_ids.long()
+    return end_decode_layer(cache, begin_decode_layer(cache, layer, plan, q, k_pre, k_rot, v))
+
+
+def begin_decode_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor,
+                       k_rot: torch.Tensor, v: torch.Tensor) -> PendingLayer:
+    """Append the new tokens, select, and queue the misses' rebuild and fetch; returns without waiting for them."""
+    slot = plan.slot_ids.long()
     append_token(cache, layer, plan, slot, k_pre, k_rot, v)
-    if plan.k_max > 0:
-        select_and_load(cache, layer, plan, q)
+    if plan.k_max == 0:
+        return PendingLayer(layer, plan, q, [], None)
+    misses, done = select_and_load(cache, layer, plan, q)
+    return PendingLayer(layer, plan, q, done, misses)
+
+
+def end_decode_layer(cache, pending: PendingLayer) -> torch.Tensor:
+    """The current stream waits for the layer's side-stream work, then attends."""
+    for event in pending.done:
+        torch.cuda.current_stream().wait_event(event)
+    slots, layer, plan = cache.slots, pending.layer, pending.plan
     segments = [(slots.outlier_k[:, layer], slots.outlier_v[:, layer], plan.lens[0]),
                 (slots.sparse_k[:, layer], slots.sparse_v[:, layer], plan.lens[1]),
                 (slots.window_k[:, layer].transpose(1, 2), slots.window_v[:, layer].transpose(1, 2), plan.lens[2])]
     # The selected chunks occupy a prefix of the sparse slots: the budget per sequence never shrinks, and misses
     # fill the first free slots in order (reference.assign_slots).
-    return decode_attention(q, segments, plan.slot_ids, cache.scale, plan.max_len)
+    return decode_attention(pending.q, segments, plan.slot_ids, cache.scale, plan.max_len)
 
 
 def append_token(cache, layer, plan, slot, k_pre, k_rot, v) -> None:
@@ -101,9 +127,9 @@ def append_token(cache, layer, plan, slot, k_pre, k_rot, v) -> None:
     cache.slots.window_v[slot, layer, plan.window_pos] = v
 
 
-def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> None:
-    """Score, pick the top-k chunks, update the resident chunks, then fetch values (stream A) and rebuild keys
-    (stream B) of the misses; the current stream waits for both."""
+def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:
+    """Score, pick the top-k chunks, update the resident chunks, then queue the misses' key rebuild (stream A) and
+    value fetch (stream B). -> the miss lists and the side streams' events (see on_two_streams)."""
     slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
     scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
                              slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max, cache.scale)
@@ -111,25 +137,29 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected)
     plan.misses += misses[2].sum()
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
-    on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
+    done = on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
                    lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids,
                                         slots.sparse_v[:, layer], C, host_scales=cache.host.scales_of(layer),
                                         max_programs=cache.fetch_programs))
+    return misses, done
 
 
-def on_two_streams(streams: tuple | None, first, second) -> None:
-    """first() on streams[0] and second() on streams[1], both after what the current stream has queued; the current
-    stream then waits for both (events: no host sync). Without streams (CPU), one after the other."""
+def on_two_streams(streams: tuple | None, first, second) -> list:
+    """first() on streams[0] and second() on streams[1], both after what the current stream has queued.
+    -> one event per stream, recorded after its work: the current stream waits on them before it reads the results
+    (no host sync). Without streams (CPU), one after the other, and no events."""
     if streams is None:
         first()
         second()
-        return
+        return []
     main = torch.cuda.current_stream()
+    done = []
     for stream, work in zip(streams, (first, second)):
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
             work()
-    for stream in streams:
-        main.wait_stream(stream)
+            done.append(torch.cuda.Event())
+            done[-1].record(stream)
+    return done
