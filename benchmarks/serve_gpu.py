@@ -332,7 +332,7 @@ def engine_vs_service(task, record: dict, out: Path, deadline: float, url: str |
         except Exception:
             ray.cancel(task, force=True)  # its GPU back to Ray, for the second replica
             raise
-        record["environment"] = alone.pop("environment")
+        record["environment"] = {**alone.pop("environment"), "command": record["command"]}  # not the worker's
         entry.update({**alone, **summarize_streams(alone["streams"])})
         wait_gone(alone["pid"], within_s=30)
     if url is not None:
