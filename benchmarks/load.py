@@ -3,8 +3,9 @@
 
 Every request ends as ok, refused (a 429: the service said so at once) or error (any other clean error); one that
 breaks off or outlives `--request-timeout-s` is lost, and the run fails if any is. Records p50/p99 time to first token
-and inter-token latency. Without --url it serves --config (configs/local.yaml) itself, then also records the engine's
-GPU/host bytes in use and process RSS before, after the load, and after it drained:
+and inter-token latency. It serves --config (configs/local.yaml) itself and also records the engine's GPU/host bytes in
+use and process RSS, drained: after the warm-up (the baseline) and after every `--rss-every` requests (the RSS series,
+with its slope over the second half of the run):
     python -m benchmarks.load --duration-s 180 --concurrency 8
 Writes benchmarks/results/load.json (--out).
 """
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog while long context serving keeps its cache in shadows".split()
 # (share, words from, words to): short, medium, long; with the shipped model ~4 tokens a word, so up to ~3K tokens
 MIX = ((0.6, 4, 32), (0.3, 100, 300), (0.1, 400, 750))
+PEAK_TOKEN_ID = 42  # the peak burst's prompts are token ids (so their length is exact); every model here has this one
 
 
 @dataclass
@@ -103,15 +105,11 @@ async def one_request(http: httpx.AsyncClient, body: dict, timeout_s: float) -> 
     return Outcome("refused" if r.status_code == 429 else "error", detail=r.text[:200])
 
 
-async def run_load(cfg: LoadConfig) -> dict:
-    """The load, then its summary; bounded by duration, request count and each request's timeout."""
+async def drive(cfg: LoadConfig) -> list[Outcome]:
+    """The load: every request's outcome; bounded by duration, request count and each request's timeout."""
     require_loopback(cfg.url)
     rng, outcomes = random.Random(cfg.seed), []
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=cfg.concurrency)
-    start = time.monotonic()
-    stop_at, sent = start + cfg.duration_s, 0
+    stop_at, sent = time.monotonic() + cfg.duration_s, 0
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal sent
@@ -122,9 +120,48 @@ async def run_load(cfg: LoadConfig) -> dict:
             if outcome.kind == "refused":
                 await asyncio.sleep(0.25)  # full: the service said so; come back shortly
 
-    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=timeout, limits=limits) as http:
+    async with _client(cfg) as http:
         await asyncio.gather(*(client(http) for _ in range(cfg.concurrency)))
+    return outcomes
+
+
+async def run_load(cfg: LoadConfig) -> dict:
+    """The load, then its summary."""
+    start = time.monotonic()
+    outcomes = await drive(cfg)
     return summarize(outcomes, time.monotonic() - start)
+
+
+async def peak_burst(cfg: LoadConfig) -> list[Outcome]:
+    """`concurrency` requests at once, each as long as the model takes (prompt token ids + max_tokens =
+    max_model_len): what the mix can hold at most, held together once. The engine's host value store is touched
+    page by page on first use and reuses the last freed page first, so its resident bytes grow until this
+    high-water is reached, and not after: sent before the baseline, it keeps that growth out of the leak check."""
+    require_loopback(cfg.url)
+    async with _client(cfg) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]
+        max_tokens = cfg.max_tokens[1]
+        body = {"model": cfg.model, "prompt": [PEAK_TOKEN_ID] * (model["max_model_len"] - max_tokens),
+                "max_tokens": max_tokens, "ignore_eos": True, "stream": False}
+        return await asyncio.gather(*(one_request(http, body, cfg.request_timeout_s) for _ in range(cfg.concurrency)))
+
+
+async def warm_up(cfg: LoadConfig, num_requests: int) -> dict:
+    """The peak burst, then `num_requests` of the mix: the engine's caches, pools and allocator settle. A burst
+    request may be refused (more clients than slots), never fail; returns the burst's outcomes by kind."""
+    burst = await peak_burst(cfg)
+    failed = [o.detail for o in burst if o.kind in ("error", "lost")]
+    if failed:
+        raise RuntimeError(f"the peak burst failed: {failed}")
+    await drive(replace(cfg, duration_s=max(60.0, num_requests), max_requests=num_requests, seed=cfg.seed - 1))
+    return {kind: sum(o.kind == kind for o in burst) for kind in ("ok", "refused")}
+
+
+def _client(cfg: LoadConfig) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    return httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=timeout,
+                             limits=httpx.Limits(max_connections=cfg.concurrency))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -144,30 +181,59 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
             "failures": [o.detail for o in outcomes if o.kind in ("error", "lost")][:10]}
 
 
-def engine_snapshot(app: str) -> dict:
-    from benchmarks.local_service import engine_stats
+def drained_snapshot(app: str) -> dict:
+    """The engine's bytes and requests in use and its process RSS, once it has drained."""
+    from benchmarks.local_service import wait_drained
 
-    stats = engine_stats(app)
+    stats = wait_drained(app, within_s=30)
     return {k: stats[k] for k in ("num_running", "num_held", "gpu_bytes_in_use", "host_bytes_in_use", "rss_bytes")}
 
 
-def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int) -> dict:
-    """Serve `config`'s first application on loopback, drive it, and record the engine before, after and drained."""
+def load_in_rounds(cfg: LoadConfig, app: str, round_requests: int) -> tuple[dict, list[dict]]:
+    """The load in rounds of `round_requests` requests, the engine drained after each; its summary and the RSS
+    series (requests sent so far, engine RSS drained: comparable points, free of what requests in flight hold)."""
+    start, outcomes, series = time.monotonic(), [], []
+    stop_at = start + cfg.duration_s
+    while len(outcomes) < cfg.max_requests and time.monotonic() < stop_at:
+        rnd = replace(cfg, duration_s=stop_at - time.monotonic(), seed=cfg.seed + len(series),
+                      max_requests=min(round_requests, cfg.max_requests - len(outcomes)))
+        outcomes += asyncio.run(drive(rnd))
+        series.append({"requests": len(outcomes), **drained_snapshot(app)})
+    return summarize(outcomes, time.monotonic() - start), series
+
+
+def slope_mib_per_1k(series: list[dict]) -> float | None:
+    """Least-squares slope of drained RSS over requests, MiB per 1,000 requests, over the second half of the
+    series (the first half shows how RSS settles; a leak shows in both)."""
+    half = series[len(series) // 2:]
+    if len(half) < 2:
+        return None
+    xs, ys = [p["requests"] for p in half], [p["rss_bytes"] / 2**20 for p in half]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return round(1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 3)
+
+
+def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int, rss_every: int) -> dict:
+    """Serve `config`'s first application on loopback, warm it up, drive it in rounds, and record the engine drained
+    after the warm-up (the baseline) and after every round."""
     import yaml
 
-    from benchmarks.local_service import local_service, wait_drained
+    from benchmarks.local_service import local_service
 
     app = yaml.safe_load(config.read_text())["applications"][0]
     args = {**app["args"], "model": str(ROOT / app["args"]["model"])}
     with local_service(args, app["name"]) as url:
         cfg = LoadConfig(url=url, model=args.get("served_model_name") or Path(args["model"]).name, **cfg_args)
-        asyncio.run(run_load(replace(cfg, duration_s=60, max_requests=warmup_requests)))  # RSS settles first
-        before = engine_snapshot(app["name"])
-        summary = asyncio.run(run_load(cfg))
-        loaded = engine_snapshot(app["name"])
-        wait_drained(app["name"], within_s=30)
-        return {"config": asdict(cfg), **summary, "engine_before": before, "engine_after_load": loaded,
-                "engine_drained": engine_snapshot(app["name"])}
+        burst = asyncio.run(warm_up(cfg, warmup_requests))
+        before = drained_snapshot(app["name"])
+        summary, series = load_in_rounds(cfg, app["name"], rss_every)
+    after, mib = series[-1], 2**20
+    return {"config": asdict(cfg), **summary, "peak_burst": burst, "engine_before": before,
+            "engine_drained": {k: v for k, v in after.items() if k != "requests"},
+            "rss_baseline_mib": round(before["rss_bytes"] / mib, 1),
+            "rss_drained_minus_baseline_mib": round((after["rss_bytes"] - before["rss_bytes"]) / mib, 1),
+            "rss_slope_second_half_mib_per_1k_requests": slope_mib_per_1k(series),
+            "rss_series": [{"requests": p["requests"], "rss_mib": round(p["rss_bytes"] / mib, 1)} for p in series]}
 
 
 def main() -> None:
@@ -180,11 +246,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--stream-share", type=float, default=0.7)
     parser.add_argument("--warmup-requests", type=int, default=20, help="sent (and not counted) before the baseline")
+    parser.add_argument("--rss-every", type=int, default=100, help="requests a round; RSS sampled drained after each")
     parser.add_argument("--out", default="load.json", help="under benchmarks/results/")
     args = parser.parse_args()
     load = {"duration_s": args.duration_s, "max_requests": args.max_requests, "concurrency": args.concurrency,
             "stream_share": args.stream_share}
-    result = serve_and_load(args.config, load, args.warmup_requests)
+    result = serve_and_load(args.config, load, args.warmup_requests, args.rss_every)
     path = write_json(args.out, [], **result)
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1), f"\nwritten to {path}")
     if result["lost"]:
