@@ -116,6 +116,8 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
             cache.gpu.landmarks[:, pb] = cache.gpu.landmarks[:, pa]
         for pa, pb in zip(a.host_pages, b.host_pages):
             cache.host.values[:, pb] = cache.host.values[:, pa]
+            if cache.host.scales is not None:  # fp8 values
+                cache.host.scales[:, pb] = cache.host.scales[:, pa]
         b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers
         return
     dense = cache.dense if isinstance(cache, ShadowKVCache) else cache

@@ -1,5 +1,6 @@
 """benchmarks/throughput.py on a tiny geometry on CPU: the script runs end to end and its shortcut is honest (a cloned
 sequence decodes exactly what its source decodes). No timing is asserted."""
+import dataclasses
 import importlib.util
 import json
 
@@ -13,7 +14,8 @@ from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
 
 
-@pytest.mark.parametrize("cfg", [None, TINY_SHADOWKV], ids=["dense", "shadowkv"])
+@pytest.mark.parametrize("cfg", [None, TINY_SHADOWKV, dataclasses.replace(TINY_SHADOWKV, value_format="fp8")],
+                         ids=["dense", "shadowkv", "shadowkv_fp8"])
 def test_a_cloned_sequence_decodes_the_same_tokens_as_its_source(cfg):
     model = write_config(tp.geometry_config("tiny", 1024))
     g = mm.Geometry.from_spec(_spec(model), torch.float32)
