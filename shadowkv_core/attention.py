@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels import MIN_HEAD_DIM
+
 
 @dataclass
 class AttentionMetadata:
@@ -103,8 +105,6 @@ class KVCache(abc.ABC):
 
 def kernels_by_default(device: torch.device | str, head_dim: int) -> bool:
     """Whether a cache decodes on the Triton kernels when not told: on CUDA, for heads the kernels take."""
-    from kernels import MIN_HEAD_DIM
-
     return torch.device(device).type == "cuda" and head_dim >= MIN_HEAD_DIM
 
 

@@ -227,7 +227,7 @@ class ShadowKVCache(KVCache):
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
         fetched = int(sum(plan.misses for plan in self._plans))
         self.step = StepCounters(selected, selected - fetched, fetched,
-                                 fetched * self.host.fetch_bytes(self.config.chunk_size))
+                                 fetched * self.host.fetch_bytes())
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU

@@ -24,6 +24,7 @@ class HostValueStore(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None,
                  value_format: str = "model", chunk_size: int = 1):
+        """chunk_size: tokens per chunk, the unit fetched (and scaled, for fp8 values)."""
         self.page_tokens, self.chunk_size = page_tokens, chunk_size
         self.dtype = dtype  # what gather returns
         self.fp8 = value_format == "fp8"
@@ -97,10 +98,10 @@ class HostValueStore(PagePool):
         """One layer's fp8 scales (num_pages, page_chunks, Hkv); None when values are kept in the model's dtype."""
         return self.scales[layer] if self.fp8 else None
 
-    def fetch_bytes(self, chunk_size: int) -> int:
-        """Host bytes read to fetch one chunk of one KV head."""
+    def fetch_bytes(self) -> int:
+        """Host bytes read to fetch one chunk (chunk_size tokens) of one KV head."""
         d = self.shape[-1]
-        return chunk_size * d * self.values.element_size() + (self.scales.element_size() if self.fp8 else 0)
+        return self.chunk_size * d * self.values.element_size() + (self.scales.element_size() if self.fp8 else 0)
 
     def close(self) -> None:
         if self.pinned:

@@ -123,4 +123,4 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     slots.sparse_k[s, layer].view(Hkv, K, C, d)[heads, slot_ids] = keys.to(slots.sparse_k.dtype)
     slots.sparse_v[s, layer].view(Hkv, K, C, d)[heads, slot_ids] = values.to(slots.sparse_v.device)
     cache.step.fetched += chunks.shape[0]
-    cache.step.bytes_fetched += chunks.shape[0] * cache.host.fetch_bytes(C)
+    cache.step.bytes_fetched += chunks.shape[0] * cache.host.fetch_bytes()

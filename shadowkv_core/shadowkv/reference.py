@@ -142,9 +142,9 @@ def quantize_values(v: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, tor
 
     v ([L,] n*C, Hkv, d) -> values, same shape, float8_e4m3fn, and scales ([L,] n, Hkv) fp32, with
     v ~= values * scale: each chunk's largest magnitude per head maps to FP8_MAX."""
-    x = v.float().unflatten(-3, (-1, chunk_size))  # ([L,] n, C, Hkv, d)
+    x = v.to(torch.float32, copy=True).unflatten(-3, (-1, chunk_size))  # ([L,] n, C, Hkv, d): the one fp32 copy
     scales = (x.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # ([L,] n, Hkv)
-    values = (x / scales[..., None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    values = x.div_(scales[..., None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return values.flatten(-4, -3), scales
 
 
