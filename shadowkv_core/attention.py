@@ -8,7 +8,8 @@ output. Tokens of all sequences of a forward are flattened ("ragged"): no paddin
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this forward
     context_lens: list[int]  # tokens already cached per sequence before this forward
     positions: torch.Tensor  # (T,) int64: absolute position of every token
+    _halves: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def query_starts(self) -> list[int]:
@@ -43,13 +45,16 @@ class AttentionMetadata:
 
     def halves(self) -> tuple[AttentionMetadata, AttentionMetadata]:
         """The batch's first and second halves of sequences (tokens follow their sequences), for a forward whose two
-        halves are pipelined against each other; the whole forward is still finished with this metadata."""
-        h = self.num_seqs // 2
-        rows = sum(self.query_lens[:h])
-        return tuple(AttentionMetadata(self.is_prefill, self.seq_ids[part], self.query_lens[part],
-                                       self.context_lens[part], positions)
-                     for part, positions in ((slice(0, h), self.positions[:rows]),
-                                             (slice(h, None), self.positions[rows:])))
+        halves are pipelined against each other; the whole forward is still finished with this metadata. The same two
+        objects on every call: a cache's per-forward state (prepared before the forward) is held per object."""
+        if self._halves is None:
+            h = self.num_seqs // 2
+            rows = sum(self.query_lens[:h])
+            self._halves = tuple(AttentionMetadata(self.is_prefill, self.seq_ids[part], self.query_lens[part],
+                                                   self.context_lens[part], positions)
+                                 for part, positions in ((slice(0, h), self.positions[:rows]),
+                                                         (slice(h, None), self.positions[rows:])))
+        return self._halves
 
 
 class KVCache(abc.ABC):
@@ -70,6 +75,18 @@ class KVCache(abc.ABC):
 
     def attend_end(self, handle) -> torch.Tensor:
         return handle
+
+    def prepare_forward(self, meta: AttentionMetadata) -> None:
+        """Do a forward's host-side bookkeeping now, before its first layer (what its layers share: index tensors
+        copied to the device once). Optional: attend does it on first use otherwise."""
+
+    def graph_inputs(self, meta: AttentionMetadata) -> tuple[Hashable, list[torch.Tensor]] | None:
+        """For a prepared forward that a CUDA graph can replay (engine/cuda_graphs.py): (key, tensors). tensors: every
+        per-forward device tensor its layers read or write (their contents change from step to step, their shapes
+        do not within a key); key: what else its launches depend on (kernel shape buckets). A graph captured for one
+        forward replays another of equal key and tensor shapes once their tensors are copied in. None: this forward
+        must run eager (prefill, the reference path, host work inside the layers)."""
+        return None
 
     @abc.abstractmethod
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:

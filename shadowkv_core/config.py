@@ -91,6 +91,8 @@ class EngineConfig:
     pipeline_decode: decode a batch of two or more in halves pipelined layer by layer (Decoder.forward_halves), so
         that one half's host value fetch runs under the other half's compute; ShadowKV only. Off by default: it
         reads the weights twice per step, and pays only where the fetch outweighs that.
+    cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
+        the same tokens as eager, without the per-kernel launch cost.
     """
 
     model: str
@@ -110,6 +112,7 @@ class EngineConfig:
     load_format: str = "auto"
     use_kernels: bool | None = None
     pipeline_decode: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from kernels.decode_attention import decode_attention
 
@@ -122,18 +123,42 @@ class DenseKVCache(KVCache):
                                                  self.scale, causal=True)
         return out
 
-    def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
+    def _decode_plan(self, meta: AttentionMetadata):
+        """(block table (B, blocks), key counts (B,), slot ids (B,), max_len) of a decode forward, on the device. The
+        table's width and max_len are rounded up to powers of two (the kernel's own length bucket): the shapes a
+        captured CUDA graph is keyed on then change rarely, not every step."""
         def plan():
-            table = torch.nn.utils.rnn.pad_sequence([self._table_tensors[s] for s in meta.seq_ids], batch_first=True)
+            tables = [self._table_tensors[s] for s in meta.seq_ids]
+            table = torch.zeros(len(tables), triton.next_power_of_2(max(len(t) for t in tables)), dtype=torch.int32)
+            for row, t in zip(table, tables):
+                row[:len(t)] = t
             lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
             slots = torch.zeros(len(meta.seq_ids), dtype=torch.int32)
-            return table.to(q.device), lens.to(q.device), slots.to(q.device), max(meta.context_lens) + 1
+            return (table.to(self.k.device), lens.to(self.k.device), slots.to(self.k.device),
+                    triton.next_power_of_2(max(meta.context_lens) + 1))
 
-        table, lens, slots, max_len = self._per_forward(meta, "decode_plan", plan)
+        return self._per_forward(meta, "decode_plan", plan)
+
+    def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
+        table, lens, slots, max_len = self._decode_plan(meta)
         pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
         return decode_attention(q.contiguous(), [pool], slots, self.scale, max_len, page_table=table,
                                 page_size=self.block_size)
+
+    def _graphable(self, meta: AttentionMetadata) -> bool:
+        return self.use_kernels and not meta.is_prefill
+
+    def prepare_forward(self, meta: AttentionMetadata) -> None:
+        self._write_rows(meta)
+        if self._graphable(meta):
+            self._decode_plan(meta)
+
+    def graph_inputs(self, meta: AttentionMetadata):
+        if not self._graphable(meta):
+            return None
+        table, lens, slots, max_len = self._decode_plan(meta)
+        return ("dense", max_len), [self._write_rows(meta), table, lens, slots]
 
     def finish_forward(self, meta):
         for seq_id, n in zip(meta.seq_ids, meta.query_lens):

@@ -221,8 +221,9 @@ def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_toke
 
 
 def decode_workspace_bytes(g: Geometry, num_seqs: int) -> int:
-    """A decode step's logits for `num_seqs` sequences: the lm_head's output and its fp32 copy."""
-    return num_seqs * g.vocab_size * (g.dtype_bytes + 4)
+    """A decode step's logits for `num_seqs` sequences: the lm_head's output and its fp32 copy, twice (a decode
+    replayed from a CUDA graph writes them in the graph's memory pool, and the step returns a copy)."""
+    return 2 * num_seqs * g.vocab_size * (g.dtype_bytes + 4)
 
 
 def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: int, chunk_tokens: int,

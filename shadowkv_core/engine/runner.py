@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AttentionMetadata, KVCache
+from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 
 
@@ -36,11 +37,16 @@ class PrefillJob:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, pipeline_decode: bool = False):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, pipeline_decode: bool = False,
+                 cuda_graphs: bool = False):
         self.model = model
         self.cache = cache
         self.device = device
         self.pipeline_decode = pipeline_decode  # decode batches of >= 2 in two pipelined halves
+        # Decode forwards replayed from CUDA graphs (CUDA only; RoPE whose frequencies follow each sequence's length
+        # computes them inside the forward, so it runs eager).
+        self.graphs = DecodeGraphs(self._decode_forward, cache) \
+            if cuda_graphs and device.type == "cuda" and not model.rotary.uses_seq_lens else None
 
     @property
     def num_layers(self) -> int:
@@ -73,10 +79,22 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One new token per sequence (its last sampled one); returns (B, vocab) float32 logits."""
         context = [seq.num_tokens - 1 for seq in seqs]
-        input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.int64)
+        input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.int64).to(self.device)
         meta = AttentionMetadata(False, [s.seq_id for s in seqs], [1] * len(seqs), context,
                                  torch.tensor(context, dtype=torch.int64, device=self.device))
-        forward = self.model.forward_halves if self.pipeline_decode and len(seqs) >= 2 else self.model
-        hidden = forward(input_ids.to(self.device), meta.positions, self.cache, meta)  # (B, H)
+        metas = meta.halves() if self._pipelined(meta) else (meta,)
+        for m in metas:
+            self.cache.prepare_forward(m)
+        if self.graphs is None:
+            logits = self._decode_forward(input_ids, meta)
+        else:
+            logits = self.graphs.run(input_ids, meta, metas)
         self.cache.finish_forward(meta)
-        return self.model.compute_logits(hidden)
+        return logits
+
+    def _pipelined(self, meta: AttentionMetadata) -> bool:
+        return self.pipeline_decode and meta.num_seqs >= 2
+
+    def _decode_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        forward = self.model.forward_halves if self._pipelined(meta) else self.model
+        return self.model.compute_logits(forward(input_ids, meta.positions, self.cache, meta))  # (B, vocab)

@@ -151,12 +151,10 @@ class ShadowKVCache(KVCache):
         if split.dense_meta is not None:
             rows = split.dense_tokens
             out[rows] = self.dense.attend(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], split.dense_meta)
-        if not meta.is_prefill and split.shadow and self._fast_decode():
+        if self._decodes_fast(meta, split):
             rows = split.shadow_tokens
-            if split.plan is None:
-                split.plan = DecodePlan.build(self, [st for st, _, _ in split.shadow])
-                self._plans.append(split.plan)
-            return out, rows, begin_decode_layer(self, layer, split.plan, q[rows], k_pre[rows], k_rot[rows], v[rows])
+            plan = self._plan(split)
+            return out, rows, begin_decode_layer(self, layer, plan, q[rows], k_pre[rows], k_rot[rows], v[rows])
         for st, start, n in split.shadow:
             i = slice(start, start + n)
             if meta.is_prefill:
@@ -171,8 +169,39 @@ class ShadowKVCache(KVCache):
             out[rows] = end_decode_layer(self, pending)
         return out
 
-    def _fast_decode(self) -> bool:
-        return self.use_kernels and self.chunk_scorer is None
+    def _decodes_fast(self, meta: AttentionMetadata, split: BatchSplit) -> bool:
+        """Whether the forward's shadow sequences decode on the kernels (else: prefill, or the reference path)."""
+        return not meta.is_prefill and bool(split.shadow) and self.use_kernels and self.chunk_scorer is None
+
+    def _plan(self, split: BatchSplit) -> DecodePlan:
+        if split.plan is None:
+            split.plan = DecodePlan.build(self, [st for st, _, _ in split.shadow])
+            self._plans.append(split.plan)
+        return split.plan
+
+    def prepare_forward(self, meta: AttentionMetadata) -> None:
+        split = self._split_batch(meta)
+        if split.dense_meta is not None:
+            self.dense.prepare_forward(split.dense_meta)
+        if self._decodes_fast(meta, split):
+            self._plan(split)
+
+    def graph_inputs(self, meta: AttentionMetadata):
+        split = self._split_batch(meta)
+        if split.shadow and not self._decodes_fast(meta, split):
+            return None
+        key, tensors = [], [split.dense_tokens, split.shadow_tokens]
+        if split.dense_meta is not None:
+            dense = self.dense.graph_inputs(split.dense_meta)
+            if dense is None:
+                return None
+            key.append(dense[0])
+            tensors += dense[1]
+        if split.shadow:
+            plan = self._plan(split)
+            key.append(plan.graph_key)
+            tensors += plan.tensors()
+        return tuple(key), tensors
 
     def _split_batch(self, meta: AttentionMetadata) -> BatchSplit:
         # The same split serves every layer of a forward: build it once per metadata object (held, so that its id

@@ -9,7 +9,7 @@ depend on the sequence length, and for longrope once the prompt is past the orig
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -46,7 +46,8 @@ class DecodePlan:
     @staticmethod
     def build(cache, states: list[SequenceState]) -> DecodePlan:
         dev, C, budget = cache.device, cache.config.chunk_size, cache.config.budget_chunks
-        pages = max(len(st.gpu_pages) for st in states)
+        # page tables as wide as a power of two: a captured CUDA graph is keyed on their shape
+        pages = triton.next_power_of_2(max(len(st.gpu_pages) for st in states))
 
         def ints(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
@@ -75,6 +76,22 @@ class DecodePlan:
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
             misses=torch.zeros((), dtype=torch.int64, device=dev))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the plan (what a CUDA graph of the forward reads and, for `misses`, writes)."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, list):
+                out += value
+        return out
+
+    @property
+    def graph_key(self) -> tuple[int, int, int]:
+        """The kernels' compile-time buckets: what a captured graph depends on beyond the tensors' shapes."""
+        return self.n_max, self.k_max, self.max_len
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the eager path's tokens, for the dense cache,
+ShadowKV (bf16 and fp8 host values, whole and pipelined batches) and batches that mix the two and shrink as
+requests finish. On CPU: the keys a graph is looked up by stay put from step to step."""
+import pytest
+import torch
+
+from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core.engine.cuda_graphs import DecodeGraphs
+from shadowkv_core.tiny_model import build_tiny_model
+
+# rank 16 of 32 and a 32-token budget: a real selection, misses every step; prompts under 64 tokens stay dense
+SHADOW = dict(rank=16, chunk_size=4, sparse_budget=32, outlier_chunks=2, local_chunks=2, min_context=64,
+              decode_window=16)
+PROMPT_LENS = (300, 41, 180, 257)
+MAX_TOKENS = (24, 17, 9, 30)  # the batch shrinks three times
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=2))
+
+
+def run(engine: LLMEngine) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    for i, (n, m) in enumerate(zip(PROMPT_LENS, MAX_TOKENS)):
+        prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+    tokens = {}
+    while len(tokens) < len(PROMPT_LENS):
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return tokens
+
+
+def engine_of(path: str, device: str, shadowkv: dict | None, **kwargs) -> LLMEngine:
+    config = EngineConfig(model=path, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                          max_num_seqs=4, max_model_len=1024, gpu_cache_gib=0.05, host_cache_gib=0.05,
+                          use_kernels=True, shadowkv=ShadowKVConfig(**shadowkv) if shadowkv else None, **kwargs)
+    return LLMEngine(config)
+
+
+class KeyRecorder(DecodeGraphs):
+    """Runs every forward eager and records the key a graph would be looked up by."""
+
+    def run(self, input_ids, meta, metas):
+        state = self.inputs(input_ids, meta, metas)
+        self.keys.append(None if state is None else state[0])
+        return self.forward(input_ids, meta)
+
+
+@pytest.mark.parametrize("shadowkv", [None, SHADOW], ids=["dense", "shadowkv"])
+def test_graph_keys_change_only_at_bucket_edges(tiny_path, shadowkv):
+    engine = engine_of(tiny_path, "cpu", shadowkv)
+    recorder = engine.runner.graphs = KeyRecorder(engine.runner._decode_forward, engine.cache)
+    recorder.keys = []
+    run(engine)
+    steps = len(recorder.keys)
+    assert steps >= max(MAX_TOKENS) - 1 and None not in recorder.keys
+    # four batch sizes, and a few length buckets crossed: far fewer graphs than steps
+    assert len(set(recorder.keys)) <= 8 < steps, (len(set(recorder.keys)), steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shadowkv, kwargs", [
+    (None, {}), (SHADOW, {}), ({**SHADOW, "value_format": "fp8"}, {}), (SHADOW, {"pipeline_decode": True}),
+], ids=["dense", "shadowkv", "shadowkv-fp8", "shadowkv-pipelined"])
+def test_graph_decode_gives_the_eager_tokens_gpu(tiny_path, shadowkv, kwargs):
+    eager = engine_of(tiny_path, "cuda", shadowkv, cuda_graphs=False, **kwargs)
+    want = run(eager)
+    eager_fetched = eager.cache.stats().get("chunks_fetched")
+    eager.cache.close()
+    del eager
+    graphed = engine_of(tiny_path, "cuda", shadowkv, cuda_graphs=True, **kwargs)
+    got = run(graphed)
+    graphs = graphed.runner.graphs
+    assert graphs.failed is None
+    assert graphs.replays > 0 and graphs.captures >= 2
+    assert got == want
+    assert graphed.cache.stats().get("chunks_fetched") == eager_fetched  # the miss counter comes back from replays
+    stats = graphed.stats()
+    assert (stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0, 0)
