@@ -11,6 +11,10 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
 
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
+
+Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_pipelined (Decoder.forward_halves),
+hf; each engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it
+(8 and its largest). --merge keeps the rows of an earlier file that this run does not redo.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.sequence import SequenceStatus
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 
+ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined")
+METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "x_floor"]
 
@@ -50,8 +56,16 @@ def geometry_config(name: str, max_len: int) -> dict:
 
 
 # ---- engines --------------------------------------------------------------------------------------------------
+def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | None, dict]:
+    """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config."""
+    base = method.removesuffix("_eager")
+    shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_pipelined": cfg,
+              "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}[base]
+    return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": base == "shadowkv_pipelined"}
+
+
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
-                 device: str) -> LLMEngine:
+                 device: str, **options) -> LLMEngine:
     """An engine whose pools hold exactly `batch` sequences of context + max_new tokens (the memory model's sizes)."""
     if cfg is None:
         gpu, host = batch * mm.engine_seq_bytes(g, None, context, max_new).gpu, None
@@ -61,7 +75,7 @@ def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context
     return LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype_for(device)).removeprefix("torch."),
                                   load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
                                   max_model_len=context + max_new, max_prefill_tokens=context,
-                                  gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host))
+                                  gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host, **options))
 
 
 def dtype_for(device: str) -> torch.dtype:
@@ -164,8 +178,8 @@ def row_for(run: dict, method: str, batch: int, times: list[float], ttft: float,
 def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int]) -> list[dict]:
     """Prefill one prompt, clone it up the batch sweep, time decode at each batch (and profile where asked)."""
     g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
-    cfg = run["shadowkv"] if method == "shadowkv" else None
-    engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device)
+    cfg, options = method_setup(method, run["shadowkv"])
+    engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
     try:
         warm_up(engine, context)
         if device == "cuda":
@@ -239,6 +253,19 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
         for method, r in best.items():
             s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
         sk, dense, hf = best.get("shadowkv"), best.get("dense"), best.get("hf")
+        fp8 = best.get("shadowkv_fp8")
+        if fp8 and dense:
+            s["shadowkv_fp8_over_dense"] = fp8["decode_tok_s"] / dense["decode_tok_s"]
+        if fp8 and sk:
+            s["fp8_batch_over_bf16"] = fp8["batch"] / sk["batch"]
+        for method in ENGINE_METHODS:  # CUDA graphs against eager, at the largest batch both ran
+            eager = {r["batch"]: r for r in rows if (r["model"], r["context"], r["method"]) == (model, context,
+                                                                                             f"{method}_eager")}
+            graphed = {r["batch"]: r for r in rows if (r["model"], r["context"], r["method"]) == (model, context,
+                                                                                               method)}
+            if common := set(eager) & set(graphed):
+                b = max(common)
+                s[f"{method}_graph_speedup_at_{b}"] = graphed[b]["decode_tok_s"] / eager[b]["decode_tok_s"]
         if sk and dense:
             s["shadowkv_over_dense"] = sk["decode_tok_s"] / dense["decode_tok_s"]
             s["prefill_overhead"] = sk["ttft_s"] / dense["ttft_s"] - 1
@@ -264,7 +291,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 3.6), squeeze=False)
     for ax, s in zip(axes[0], summary):
-        for method, style in (("dense", "o-"), ("shadowkv", "s-"), ("hf", "^-")):
+        for method, style in zip(METHODS, ("o-", "s-", "D-", "v-", "o:", "s:", "D:", "v:", "^-")):
             pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows
                          if (r["model"], r["context"], r["method"]) == (s["model"], s["context"], method))
             if pts:
@@ -297,27 +324,42 @@ def merge_decode_step(path: Path, rows: list[dict], context: int = 122880, batch
     r = found[0]
     row = {"kernel": "decode_step", "device": r["device"], "time_ms": r["itl_p50_ms"], "floor_ms": r["floor_ms"],
            "time_over_floor": r["x_floor"], "batch": batch, "context": context, "hit_rate": r["hit_rate"],
-           "model": r["model"], "note": "whole step (all layers, weights, MLP, sampling), eager, from "
+           "model": r["model"], "note": "whole step (all layers, weights, MLP, sampling), CUDA graphs, from "
                                          "benchmarks/throughput.py; floor per DESIGN.md at the measured hit rate"}
+    eager = [x for x in rows if (x["method"], x["context"], x["batch"]) == ("shadowkv_eager", context, batch)]
+    if eager:
+        row["eager_ms"] = eager[0]["itl_p50_ms"]
     data = json.loads(path.read_text())
     data["rows"] = [x for x in data["rows"] if x.get("kernel") != "decode_step"] + [row]
     path.write_text(json.dumps(data, indent=1) + "\n")
     return row
 
 
-def plan(method: str, dense_max: int, shadow_max: int) -> tuple[list[int], set[int]]:
-    """Batches to time and those to profile: dense and HF up to their largest batch; ShadowKV up to its own,
-    through the dense largest batch and 8 (issue 5's decode step)."""
-    if method == "shadowkv":
-        return sweep_batches(shadow_max, dense_max, 8), {dense_max, shadow_max, 8} - {0}
+def plan(method: str, dense_max: int, own_max: int) -> tuple[list[int], set[int]]:
+    """Batches to time and those to profile: dense and HF up to their largest batch; ShadowKV's up to their own,
+    through the dense largest batch and 8 (issue 5's decode step); an _eager method at 8 and its largest only."""
+    if method.endswith("_eager"):
+        return sorted({min(8, own_max), own_max}), set()
+    if method.startswith("shadowkv"):
+        return sweep_batches(own_max, dense_max, 8), {dense_max, own_max, 8} - {0}
     return sweep_batches(dense_max), {dense_max} if method == "dense" else set()
+
+
+def earlier_rows(path: Path, redone: set[tuple[str, int, str]]) -> list[dict]:
+    """The rows of an earlier file at `path` that this run does not redo ((model, context, method) not in `redone`),
+    each with the command that measured it."""
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    return [{"command": earlier["environment"]["command"], **r} for r in earlier["rows"]
+            if (r["model"], r["context"], r["method"]) not in redone]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b", choices=[*mm.PRESETS, "tiny"], help="geometry")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 61440, 122880])
-    parser.add_argument("--methods", nargs="+", default=["dense", "shadowkv", "hf"], choices=["dense", "shadowkv", "hf"])
+    parser.add_argument("--methods", nargs="+", default=["dense", "shadowkv", "hf"], choices=METHODS)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -330,6 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
                         help="where the decode_step row (ShadowKV, 122K, batch 8) is merged")
     parser.add_argument("--replot", default=None, help="only redraw the PNG from this JSON")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of the existing --out this run does not redo")
     return parser.parse_args(argv)
 
 
@@ -348,10 +391,13 @@ def main(argv: list[str] | None = None) -> dict:
     host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     rows, failures, summary = [], [], []
-    for context, method in progress([(c, m) for c in args.contexts for m in args.methods]):
-        dense_max, shadow_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens),
-                                     args.max_batch) for c in (None, cfg))
-        batches, profile_at = plan(method, dense_max, shadow_max)
+    out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
+    tasks = [(c, m) for c in args.contexts for m in args.methods]
+    kept = earlier_rows(out, {(args.model, c, m) for c, m in tasks}) if args.merge else []
+    for context, method in progress(tasks):
+        dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
+                              for c in (None, method_setup(method, cfg)[0]))
+        batches, profile_at = plan(method, dense_max, own_max)
         run = dict(device=device_name, model=args.model, context=context, geometry=g, shadowkv=cfg, args=args,
                    config_dir=config_dir, device_kind=args.device, copy_bps=copy_bps, h2d_bps=h2d_bps)
         steps = len(batches) * (args.steps + args.warmup_steps) + len(profile_at) * args.profile_steps
@@ -363,11 +409,11 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # one failed configuration is recorded; the others still run
             failures.append({"context": context, "method": method, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)
-        summary = summarize(rows, copy_bps, {args.model: g})
-        path = write_json(args.out, rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
+        summary = summarize(kept + rows, copy_bps, {args.model: g})
+        path = write_json(out, kept + rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
                           h2d_gbps=h2d_bps / 1e9, gpu_plan_bytes=gpu_total, host_plan_bytes=host,
                           shadowkv=dataclasses.asdict(cfg))
-    png = plot(rows, summary, path.with_suffix(".png")) if rows else None
+    png = plot(kept + rows, summary, path.with_suffix(".png")) if rows else None
     decode_step = merge_decode_step(Path(args.kernels_json), rows) if args.model == "llama-3.1-8b" else None
     print(f"wrote {path}, {png}; decode_step row: {decode_step}")
     print_table(rows, COLUMNS)
