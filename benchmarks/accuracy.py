@@ -193,9 +193,17 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=60.0, help="start no run past this")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of other (method, budget) pairs already in --out-dir's accuracy.json")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="run nothing: join the results of runs made side by side (each DIR an --out-dir) into "
+                             "--out-dir")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        rows = [r for d in args.combine for r in json.loads((Path(d) / "accuracy.json").read_text())]
+        runs = [run for d in args.combine for run in earlier_runs(Path(d) / "accuracy.meta.json")]
+        print(write_results(out_dir, rows, runs))
+        return
     start = time.time()
     kept = kept_rows(out_dir / "accuracy.json", methods(args.budgets, args.methods)) if args.merge else []
     save = lambda rows: (out_dir / "accuracy.json").write_text(json.dumps(kept + rows, indent=1))  # noqa: E731
@@ -203,14 +211,19 @@ def main() -> None:
     meta = {"command": "python -m benchmarks.accuracy " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1), "model": args.model}
-    meta_path = out_dir / "accuracy.meta.json"
-    runs = earlier_runs(meta_path) + [meta] if args.merge else [meta]
-    meta_path.write_text(json.dumps(runs, indent=1))
+    runs = earlier_runs(out_dir / "accuracy.meta.json") + [meta] if args.merge else [meta]
+    print(write_results(out_dir, rows, runs))
+
+
+def write_results(out_dir: Path, rows: list[dict], runs: list[dict]) -> str:
+    """accuracy.json, accuracy.meta.json (the runs), accuracy.md and the heatmaps; returns the markdown table."""
+    (out_dir / "accuracy.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "accuracy.meta.json").write_text(json.dumps(runs, indent=1))
     table = markdown(rows, sorted({r["budget"] for r in rows if r["method"] != "dense"}))
     commands = "\n".join(f"`{run['command']}` on {run['device']}" for run in runs)
     (out_dir / "accuracy.md").write_text(f"{commands}\n\n{table}")
     heatmaps(rows, out_dir)
-    print(table)
+    return table
 
 
 def kept_rows(path: Path, replaced: list[tuple[str, float]]) -> list[dict]:

@@ -3,9 +3,12 @@
 A prompt of `context` tokens of held-out text is prefilled in a dense engine and in a ShadowKV engine; then the
 passage's next `steps` tokens are fed to both, one decode step at a time (teacher forcing: both see the same tokens,
 so a wrong guess never compounds). Per step: the cosine similarity of each layer's attention output to dense's, the
-top-1 agreement of the next-token logits, and ShadowKV's hit rate. Writes benchmarks/results/fidelity.json.
+top-1 agreement of the next-token logits, and ShadowKV's hit rate. Also, per layer, the key tail energy: the share of
+the pre-RoPE key energy (all KV heads concatenated) outside the top-r eigen-directions of KᵀK, r being ShadowKV's
+rank, over task prompts — what the rank-r factorisation throws away. Writes benchmarks/results/fidelity.json.
 
     python -m benchmarks.fidelity --model models/shadowkv-small --device cpu
+    python -m benchmarks.fidelity --key-tail-only --contexts 4096   # the key tail energy alone, printed
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import device_name, shadowkv_config
-from benchmarks.longctx_data import BOS, load_corpus
+from benchmarks.accuracy import RANK_SHARE, device_name, shadowkv_config
+from benchmarks.longctx_data import BOS, TASKS, load_corpus, make_sample
+from benchmarks.train_small_model import KeyCapture, key_tail
 from shadowkv_core import LLM
 from shadowkv_core.attention import AttentionMetadata
 
@@ -37,14 +41,18 @@ def teacher_forced(llm: LLM, prompt: list[int], forced: list[int]) -> dict[str, 
     engine, seq_id = llm.engine, 0
     model, cache, device = engine.runner.model, engine.cache, engine.runner.device
     outputs: dict[int, torch.Tensor] = {}
-    attend = cache.attend
+    begin, end, begun = cache.attend_begin, cache.attend_end, []  # the layers call begin, then end (KVCache)
 
-    def recording_attend(layer, q, *args):
-        out = attend(layer, q, *args)  # (T, Hq, d)
-        outputs[layer] = out[-1].flatten().float()
+    def recording_begin(layer, *args):
+        begun.append(layer)
+        return begin(layer, *args)
+
+    def recording_end(handle):
+        out = end(handle)  # (T, Hq, d)
+        outputs[begun.pop(0)] = out[-1].flatten().float()
         return out
 
-    cache.attend = recording_attend
+    cache.attend_begin, cache.attend_end = recording_begin, recording_end
     cache.allocate(seq_id, len(prompt), len(forced) + 1)
     P = len(prompt)
     meta = AttentionMetadata(True, [seq_id], [P], [0], torch.arange(P, device=device))
@@ -58,7 +66,7 @@ def teacher_forced(llm: LLM, prompt: list[int], forced: list[int]) -> dict[str, 
         steps["top1"].append(int(model.compute_logits(hidden).argmax(-1)))
         steps["attn"].append(torch.stack([outputs[i] for i in range(len(outputs))]).cpu())  # (L, Hq*d)
         steps["hit_rate"].append(cache.stats().get("hit_rate", 1.0))
-    cache.attend = attend
+    del cache.attend_begin, cache.attend_end  # the class's methods again
     cache.free(seq_id)
     return steps
 
@@ -72,6 +80,26 @@ def compare(dense: dict, sparse: dict) -> dict:
             "top1_agreement": 100.0 * sum(agree) / len(agree),
             "hit_rate": round(sum(sparse["hit_rate"][1:]) / max(1, len(sparse["hit_rate"]) - 1), 4),
             "hit_rate_per_step": [round(h, 3) for h in sparse["hit_rate"]]}
+
+
+@torch.inference_mode()
+def key_tail_energy(model: str, context: int, samples: int, device: str, rank_share: float = RANK_SHARE) -> dict:
+    """Per layer, the mean over `samples` task prompts (evaluation seeds, tasks in turn) of the share of pre-RoPE key
+    energy outside the top-r eigen-directions, r = rank_share * kv_heads*head_dim (ShadowKV's rank)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    cfg = hf.config
+    width = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    rank = max(1, round(rank_share * width))
+    capture, tails = KeyCapture(hf), []
+    for seed in range(samples):
+        prompt = make_sample(TASKS[seed % len(TASKS)], context, seed).prompt_ids
+        hf.model(input_ids=torch.tensor([prompt], device=device))  # the decoder alone: keys, no logits
+        tails.append(torch.cat([key_tail(k, rank) for k in capture.take()]).tolist())  # (layers,)
+    capture.close()
+    layer_tail = [round(sum(t[i] for t in tails) / len(tails), 4) for i in range(len(tails[0]))]
+    return {"context": context, "samples": samples, "rank": rank, "width": width, "layer_tail": layer_tail,
+            "mean_tail": round(sum(layer_tail) / len(layer_tail), 4)}
 
 
 def engine(model: str, device: str, context: int, steps: int, budget: float | None) -> LLM:
@@ -88,9 +116,17 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.0156, 0.06])
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--key-tail-samples", type=int, default=5, help="task prompts per context for the key tail")
+    parser.add_argument("--key-tail-only", action="store_true", help="print the key tail energy, write nothing")
     parser.add_argument("--out", default="benchmarks/results/fidelity.json")
     args = parser.parse_args()
     rows, start = [], time.time()
+    key_tails = [key_tail_energy(args.model, c, args.key_tail_samples, args.device) for c in args.contexts]
+    for t in key_tails:
+        print(f"{t['context']:6d} key tail energy outside rank {t['rank']} of {t['width']}, per layer "
+              f"{t['layer_tail']} (mean {t['mean_tail']})", flush=True)
+    if args.key_tail_only:
+        return
     for context in args.contexts:
         for seed in range(args.seeds):
             tokens = held_out_tokens(seed, context + args.steps)
@@ -106,7 +142,7 @@ def main() -> None:
     meta = {"command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1)}
-    Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({**meta, "key_tail": key_tails, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RMSNorm, SwiGLU) over the byte-level
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of benchmarks/longctx_data.py
-(language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Deterministic given --seed
-and the corpus file. Data come from the training split and training seeds; the closing evaluation (greedy,
-transformers, dense attention) from the held-out split and evaluation seeds.
+(language-model loss on the haystack, weighted down, plus the loss on the answer tokens), plus a key low-rank
+regulariser: the share of each layer's pre-RoPE key energy outside its top-r eigen-directions, r being the rank
+ShadowKV keeps (15.6 % of kv_heads*head_dim, as 160 is of Llama-3-8B's 1024). Real LLMs' pre-RoPE keys are that
+low-rank, which is what ShadowKV rests on; a model trained from scratch for minutes is not unless asked to be.
+Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
+evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
 
     python -m benchmarks.longctx_data --write-corpus .cache/corpus.txt
     python -m benchmarks.train_small_model --corpus-file .cache/corpus.txt --out models/shadowkv-small
@@ -13,6 +16,7 @@ transformers, dense attention) from the held-out split and evaluation seeds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.accuracy import RANK_SHARE
 from benchmarks.longctx_data import EOS, TASKS, TRAIN_SEED_BASE, answer_ids, make_sample, score, text_stream
 from shadowkv_core.tiny_model import save_byte_tokenizer
 
@@ -33,6 +38,7 @@ ANSWER_SLOT = 80  # tokens kept free after a task prompt for its answer and EOS 
 TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+KEY_SUBSPACE_ITERS = 4  # subspace iterations for the regulariser's top-r basis: its tail within 0.1 % of eigh's
 
 
 def model_config() -> dict:
@@ -51,6 +57,82 @@ def build_model(seed: int, device: str):
     config = LlamaConfig(**{k: v for k, v in model_config().items() if k not in ("architectures", "torch_dtype")})
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).to(device)
+
+
+def key_rank(config) -> int:
+    """The rank ShadowKV keeps of this model's pre-RoPE keys (all KV heads concatenated)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return max(1, round(RANK_SHARE * config.num_key_value_heads * head_dim))
+
+
+def key_tail(keys: torch.Tensor, rank: int, iters: int | None = None) -> torch.Tensor:
+    """Share of each row's key energy outside its top-`rank` eigen-directions: ||K - K V Vᵀ||² / ||K||².
+
+    keys (B, L, W) pre-RoPE keys, all KV heads concatenated (W = kv_heads*head_dim), as ShadowKV factorises them
+    (shadowkv_core/shadowkv/reference.py factorize_keys: eigenvectors of KᵀK, uncentred) -> (B,) fp32. V is computed
+    without gradient (top_subspace: exact with iters None, else that many subspace iterations); with V Vᵀ a
+    projection the share is 1 - ||K V||² / ||K||², whose gradient moves energy into V's span."""
+    k = keys.float()
+    total = k.square().sum((1, 2)).clamp(min=1e-12)  # (B,)
+    with torch.no_grad():
+        top = top_subspace(k.transpose(1, 2) @ k, rank, iters).to(k.dtype)  # (B, W, r)
+    return 1 - (k @ top).square().sum((1, 2)) / total
+
+
+def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversample: int = 8) -> torch.Tensor:
+    """Orthonormal bases of the top-`rank` eigen-directions of symmetric PSD matrices: gram (B, W, W) -> (B, W, rank).
+
+    iters None: torch.linalg.eigh, exact (on CUDA it loops over the batch for W > 32: slow for training).
+    iters n: n steps of subspace iteration from a fixed random start of rank+oversample columns, re-orthonormalised by
+    Cholesky QR in fp64, then Rayleigh-Ritz (an eigh of (rank+oversample)² matrices, batched on CUDA up to 32):
+    batched matrix products only, deterministic."""
+    if iters is None:
+        return torch.linalg.eigh(gram)[1][..., -rank:]  # ascending eigenvalues
+    B, W, _ = gram.shape
+    p = min(W, rank + oversample)
+    g = gram.double()
+    q = _orthonormal(g @ _random_start(W, p, g.device))
+    for _ in range(iters):
+        q = _orthonormal(g @ q)
+    ritz = torch.linalg.eigh(q.transpose(1, 2) @ g @ q)[1][..., -rank:]  # (B, p, rank)
+    return (q @ ritz).to(gram.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_start(width: int, columns: int, device: torch.device) -> torch.Tensor:
+    """A fixed random (width, columns) fp64 matrix, made once per device (no host-to-device copy per step)."""
+    return torch.randn(width, columns, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
+
+
+def _orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """Cholesky QR (twice, for orthogonality) of y (B, W, p) fp64 -> Q (B, W, p) with Qᵀ Q = I, same column span."""
+    for _ in range(2):
+        gram = y.transpose(1, 2) @ y
+        jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None] * torch.eye(y.shape[2], device=y.device,
+                                                                                          dtype=y.dtype)
+        r = torch.linalg.cholesky_ex(gram + jitter, upper=True)[0]  # no host sync
+        y = torch.linalg.solve_triangular(r, y, upper=True, left=False)
+    return y
+
+
+class KeyCapture:
+    """Forward hooks on every layer's self_attn.k_proj of a Hugging Face Llama: `keys` holds their outputs, (B, L, W)
+    each, from the latest forward pass."""
+
+    def __init__(self, model):
+        self.keys: list[torch.Tensor] = []
+        self.handles = [layer.self_attn.k_proj.register_forward_hook(self._hook) for layer in model.model.layers]
+
+    def _hook(self, module, inputs, output) -> None:
+        self.keys.append(output)
+
+    def take(self) -> list[torch.Tensor]:
+        keys, self.keys = self.keys, []
+        return keys
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 # ---------------------------------------------------------------- data
@@ -91,16 +173,20 @@ class StepBatches(torch.utils.data.Dataset):
         return tuple(torch.tensor(column) for column in zip(*rows))
 
 
-def loss_fn(model, ids, lm_mask, answer_mask):
+def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, key_weight: float,
+            key_iters: int | None = KEY_SUBSPACE_ITERS):
+    """(loss, lm, answer, key tail): the last three detached; key tail averaged over layers and rows."""
+    capture.take()
     with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids).logits  # (B, L, V)
+    tail = key_tail(torch.cat(capture.take()), rank, key_iters).mean()  # every layer's rows in one batch
     targets = torch.roll(ids, -1, dims=1)
     token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # fp32 CE
     token_loss = token_loss.view_as(ids)
     # masked means, not boolean indexing: no host sync, so the CPU builds the next batch while the GPU works
     lm = (token_loss * lm_mask).sum() / lm_mask.sum().clamp(min=1)
     answer = (token_loss * answer_mask).sum() / answer_mask.sum().clamp(min=1)
-    return LM_WEIGHT * lm + answer, lm.detach(), answer.detach()
+    return LM_WEIGHT * lm + answer + key_weight * tail, lm.detach(), answer.detach(), tail.detach()
 
 
 # ---------------------------------------------------------------- training
@@ -122,22 +208,27 @@ def train(model, args, log) -> dict:
     batches = StepBatches(schedule(args.step_scale, args.max_context), args)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers,
                                          pin_memory=args.device == "cuda", prefetch_factor=4 if args.workers else None)
+    capture, rank = KeyCapture(model), key_rank(model.config)
     total, start = len(batches), time.time()
     for step, tensors in enumerate(loader):
         if time.time() - start > args.max_minutes * 60:
             log(f"time limit reached at step {step}/{total}: stopped early")
-            return {"steps": step, "planned_steps": total, "seconds": time.time() - start}
+            capture.close()
+            return {"steps": step, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total, args.lr)
-        loss, lm, answer = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors))
+        loss, lm, answer, tail = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors),
+                                         capture, rank, args.key_rank_weight,
+                                         None if args.key_subspace_iters < 0 else args.key_subspace_iters)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % 100 == 0 or step == total - 1:
+        if step % args.log_every == 0 or step == total - 1:
             log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} lm {lm.item():.3f} "
-                f"answer {answer.item():.3f} {time.time() - start:6.1f}s")
-    return {"steps": total, "planned_steps": total, "seconds": time.time() - start}
+                f"answer {answer.item():.3f} key tail (rank {rank}) {tail.item():.3f} {time.time() - start:6.1f}s")
+    capture.close()
+    return {"steps": total, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
 
 
 # ---------------------------------------------------------------- dense evaluation and saving
@@ -205,6 +296,11 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
     parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
     parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
+    parser.add_argument("--key-rank-weight", type=float, default=1.0,
+                        help="weight of the key low-rank regulariser (0: none)")
+    parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
+                        help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
+    parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
     parser.add_argument("--workers", type=int, default=6, help="data loader processes")
     parser.add_argument("--eval-samples", type=int, default=20)
     parser.add_argument("--eval-contexts", type=int, nargs="+", default=list(EVAL_CONTEXTS))
@@ -215,7 +311,8 @@ def main() -> None:
 
     model = build_model(args.seed, args.device)
     info = train(model, args, log)
-    info.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+    info.update(key_rank_weight=args.key_rank_weight,
+                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 parameters=sum(p.numel() for p in model.parameters()))
     save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights
     rows = dense_eval(model, args.eval_contexts, args.eval_samples, args.device)
