@@ -1,0 +1,38 @@
+"""The key low-rank regulariser of benchmarks/train_small_model.py: the tail share it measures and trains down."""
+import torch
+
+from benchmarks.train_small_model import key_rank, key_tail, model_config, top_subspace
+
+
+def test_rank_is_shadowkvs_share_of_the_key_width():
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(**{k: v for k, v in model_config().items() if k not in ("architectures", "torch_dtype")})
+    assert key_rank(cfg) == 20  # round(160 / 1024 * 2 * 64)
+
+
+def test_tail_is_zero_at_the_keys_rank_and_the_eigen_share_otherwise():
+    g = torch.Generator().manual_seed(0)
+    low = torch.randn(3, 300, 6, generator=g) @ torch.randn(6, 32, generator=g)  # rank 6 of 32
+    assert key_tail(low, 6).abs().max() < 1e-5
+    keys = torch.randn(3, 300, 32, generator=g) * torch.linspace(3, 0.1, 32)
+    eig = torch.linalg.eigvalsh(keys.double().transpose(1, 2) @ keys.double())  # ascending
+    expected = eig[:, :-6].sum(-1) / eig.sum(-1)
+    torch.testing.assert_close(key_tail(keys, 6).double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_subspace_iteration_matches_eigh():
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(4, 500, 64, generator=g) * torch.logspace(0, -2, 64)
+    torch.testing.assert_close(key_tail(keys, 10, iters=4), key_tail(keys, 10), rtol=2e-3, atol=1e-5)
+    basis = top_subspace(keys.transpose(1, 2) @ keys, 10, iters=4)
+    torch.testing.assert_close(basis.transpose(1, 2) @ basis, torch.eye(10).expand(4, 10, 10), atol=1e-5, rtol=0)
+
+
+def test_its_gradient_lowers_the_tail():
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 200, 32, generator=g).requires_grad_()
+    before = key_tail(keys, 4, iters=4).mean()
+    before.backward()
+    with torch.no_grad():
+        after = key_tail(keys - 0.5 * keys.grad / keys.grad.norm() * keys.norm(), 4, iters=4).mean()
+    assert after < before
