@@ -12,9 +12,9 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
-Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_pipelined (Decoder.forward_halves),
-hf; each engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it
-(8 and its largest). --merge keeps the rows of an earlier file that this run does not redo.
+Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8]_pipelined
+(Decoder.forward_halves), hf; each engine method with the suffix _eager runs without CUDA graphs, at the batches that
+compare with it (8 and its largest). --merge keeps the rows of an earlier file that this run does not redo.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.sequence import SequenceStatus
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 
-ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined")
+ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined")
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "x_floor"]
@@ -58,10 +58,10 @@ def geometry_config(name: str, max_len: int) -> dict:
 # ---- engines --------------------------------------------------------------------------------------------------
 def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config."""
-    base = method.removesuffix("_eager")
-    shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_pipelined": cfg,
-              "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}[base]
-    return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": base == "shadowkv_pipelined"}
+    base = method.removesuffix("_eager").removesuffix("_pipelined")
+    shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}
+    return shadow[base], {"cuda_graphs": not method.endswith("_eager"),
+                          "pipeline_decode": method.removesuffix("_eager").endswith("_pipelined")}
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
@@ -253,6 +253,11 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
         for method, r in best.items():
             s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
         sk, dense, hf = best.get("shadowkv"), best.get("dense"), best.get("hf")
+        fastest = max((r for m, r in best.items() if m.startswith("shadowkv") and not m.endswith("_eager")),
+                      key=lambda r: r["decode_tok_s"], default=None)
+        if fastest and dense:
+            s["best_shadowkv_method"] = fastest["method"]
+            s["best_shadowkv_over_dense"] = fastest["decode_tok_s"] / dense["decode_tok_s"]
         fp8 = best.get("shadowkv_fp8")
         if fp8 and dense:
             s["shadowkv_fp8_over_dense"] = fp8["decode_tok_s"] / dense["decode_tok_s"]
@@ -291,7 +296,8 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 3.6), squeeze=False)
     for ax, s in zip(axes[0], summary):
-        for method, style in zip(METHODS, ("o-", "s-", "D-", "v-", "o:", "s:", "D:", "v:", "^-")):
+        for i, method in enumerate(METHODS):
+            style = "osDvP^"[i % 6] + (":" if method.endswith("_eager") else "-")
             pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows
                          if (r["model"], r["context"], r["method"]) == (s["model"], s["context"], method))
             if pts:
@@ -317,12 +323,14 @@ def progress(tasks: list):
 
 
 def merge_decode_step(path: Path, rows: list[dict], context: int = 122880, batch: int = 8) -> dict | None:
-    """The whole ShadowKV decode step (issue 5's `decode_step` row) into kernels.json, replacing an older one."""
-    found = [r for r in rows if (r["method"], r["context"], r["batch"]) == ("shadowkv", context, batch)]
+    """The whole ShadowKV decode step (issue 5's `decode_step` row) into kernels.json, replacing an older one: the
+    CUDA-graph ShadowKV method nearest its floor at this context and batch, with the eager one beside it."""
+    found = [r for r in rows if r["method"].startswith("shadowkv") and not r["method"].endswith("_eager")
+             and (r["context"], r["batch"]) == (context, batch)]
     if not found or not path.is_file():
         return None
-    r = found[0]
-    row = {"kernel": "decode_step", "device": r["device"], "time_ms": r["itl_p50_ms"], "floor_ms": r["floor_ms"],
+    r = min(found, key=lambda x: x["x_floor"])
+    row = {"kernel": "decode_step", "method": r["method"], "device": r["device"], "time_ms": r["itl_p50_ms"], "floor_ms": r["floor_ms"],
            "time_over_floor": r["x_floor"], "batch": batch, "context": context, "hit_rate": r["hit_rate"],
            "model": r["model"], "note": "whole step (all layers, weights, MLP, sampling), CUDA graphs, from "
                                          "benchmarks/throughput.py; floor per DESIGN.md at the measured hit rate"}
