@@ -36,13 +36,18 @@ def kernel_group(name: str) -> str | None:
 def profile_steps(engine, steps: int, cuda: bool) -> dict[str, float]:
     """Milliseconds per step of device time by group (CPU time of the projections on CPU), `other` for the rest
     (norms, RoPE, the new token's U row, sampling, copies); `device_total` sums every kernel: more than the step's
-    wall time where the value fetch and key rebuild overlap on their streams."""
+    wall time where the value fetch and key rebuild overlap on their streams. The steps run eager: a CUDA graph's
+    replay launches the same kernels but hides which projection launched each."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        with profile(activities=activities, record_shapes=True) as prof:
+            for _ in range(steps):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        engine.runner.graphs = graphs
     groups: dict[str, float] = {}
     total = 0.0
     for event in prof.events():
