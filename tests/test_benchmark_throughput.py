@@ -81,3 +81,7 @@ def test_performance_model_at_122k():
     pcie_bound = shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
     assert pcie_bound == pytest.approx(8 * 0.4 * 256 * 8 * 32 * 2048 / h2d, rel=1e-6)
     assert shadowkv_floor_s(g, cfg, 122880, 8, 1.0, copy, h2d) < shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d)
+    # fp8 values: one byte per value and a 4-byte scale per chunk and KV head over PCIe
+    fp8 = dataclasses.replace(cfg, value_format="fp8")
+    pcie_fp8 = shadowkv_floor_s(g, fp8, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
+    assert pcie_fp8 == pytest.approx(8 * 0.4 * 256 * 8 * 32 * (1024 + 4) / h2d, rel=1e-6)
