@@ -60,8 +60,9 @@ def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | Non
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config."""
     base = method.removesuffix("_eager").removesuffix("_pipelined")
     shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}
-    return shadow[base], {"cuda_graphs": not method.endswith("_eager"),
-                          "pipeline_decode": method.removesuffix("_eager").endswith("_pipelined")}
+    pipelined = method.removesuffix("_eager").endswith("_pipelined")
+    return shadow[base], {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
+                          "pipeline_min_batch": 2}
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,

@@ -88,9 +88,10 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     use_kernels: decode on the Triton kernels (dense paged and ShadowKV); None: on CUDA yes, elsewhere the PyTorch
         reference.
-    pipeline_decode: decode a batch of two or more in halves pipelined layer by layer (Decoder.forward_halves), so
-        that one half's host value fetch runs under the other half's compute; ShadowKV only. Off by default: it
-        reads the weights twice per step, and pays only where the fetch outweighs that.
+    pipeline_decode: decode a batch of `pipeline_min_batch` or more in halves pipelined layer by layer
+        (Decoder.forward_halves), so that one half's host value fetch runs under the other half's compute; ShadowKV
+        only. It reads the weights twice per step: measured on an H200 at 122K (benchmarks/results/throughput.json,
+        CUDA graphs) it is slower up to batch 6, even at 8 and 16, faster at 13 (+17 %) and 26 (+13 %, fp8 values).
     cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
         the same tokens as eager, without the per-kernel launch cost.
     """
@@ -111,7 +112,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     use_kernels: bool | None = None
-    pipeline_decode: bool = False
+    pipeline_decode: bool = True
+    pipeline_min_batch: int = 12
     cuda_graphs: bool = True
 
     def __post_init__(self):
@@ -129,6 +131,8 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"),
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.pipeline_min_batch >= 2,
+                 f"pipeline_min_batch must be >= 2 (two halves), got {self.pipeline_min_batch}")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be > 0, got {value}")

@@ -33,8 +33,10 @@ def run(engine: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
-def engine_of(path: str, device: str, shadowkv: dict | None, **kwargs) -> LLMEngine:
-    config = EngineConfig(model=path, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+def engine_of(path: str, device: str, shadowkv: dict | None, pipeline_min_batch: int = 0, **kwargs) -> LLMEngine:
+    """pipeline_min_batch 0: no pipelined halves."""
+    config = EngineConfig(pipeline_decode=pipeline_min_batch > 0, pipeline_min_batch=max(pipeline_min_batch, 2),
+                          model=path, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                           max_num_seqs=4, max_model_len=1024, gpu_cache_gib=0.05, host_cache_gib=0.05,
                           use_kernels=True, shadowkv=ShadowKVConfig(**shadowkv) if shadowkv else None, **kwargs)
     return LLMEngine(config)
@@ -63,7 +65,7 @@ def test_graph_keys_change_only_at_bucket_edges(tiny_path, shadowkv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shadowkv, kwargs", [
-    (None, {}), (SHADOW, {}), ({**SHADOW, "value_format": "fp8"}, {}), (SHADOW, {"pipeline_decode": True}),
+    (None, {}), (SHADOW, {}), ({**SHADOW, "value_format": "fp8"}, {}), (SHADOW, {"pipeline_min_batch": 2}),
 ], ids=["dense", "shadowkv", "shadowkv-fp8", "shadowkv-pipelined"])
 def test_graph_decode_gives_the_eager_tokens_gpu(tiny_path, shadowkv, kwargs):
     eager = engine_of(tiny_path, "cuda", shadowkv, cuda_graphs=False, **kwargs)

@@ -222,7 +222,7 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
     runs, halves_calls = [], []
     for pipeline in (False, True):
         llm = LLM(model=tiny_path, max_num_seqs=5, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse,
-                  use_kernels=use_kernels, pipeline_decode=pipeline)
+                  use_kernels=use_kernels, pipeline_decode=pipeline, pipeline_min_batch=2)
         model = llm.engine.runner.model
         halves = model.forward_halves
         model.forward_halves = lambda *args: halves_calls.append(pipeline) or halves(*args)

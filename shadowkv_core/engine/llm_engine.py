@@ -31,7 +31,8 @@ class LLMEngine:
         self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
                                  self.model.rotary)
         self.runner = ModelRunner(self.model, self.cache, self.device,
-                                  pipeline_decode=config.pipeline_decode and config.shadowkv is not None,
+                                  pipeline_min_batch=config.pipeline_min_batch
+                                  if config.pipeline_decode and config.shadowkv is not None else 0,
                                   cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
         self.requests: dict[str, Sequence] = {}

@@ -37,12 +37,12 @@ class PrefillJob:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, pipeline_decode: bool = False,
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device, pipeline_min_batch: int = 0,
                  cuda_graphs: bool = False):
         self.model = model
         self.cache = cache
         self.device = device
-        self.pipeline_decode = pipeline_decode  # decode batches of >= 2 in two pipelined halves
+        self.pipeline_min_batch = pipeline_min_batch  # decode batches this large in two pipelined halves; 0: never
         # Decode forwards replayed from CUDA graphs (CUDA only; RoPE whose frequencies follow each sequence's length
         # computes them inside the forward, so it runs eager).
         self.graphs = DecodeGraphs(self._decode_forward, cache) \
@@ -93,7 +93,7 @@ class ModelRunner:
         return logits
 
     def _pipelined(self, meta: AttentionMetadata) -> bool:
-        return self.pipeline_decode and meta.num_seqs >= 2
+        return 2 <= self.pipeline_min_batch <= meta.num_seqs
 
     def _decode_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         forward = self.model.forward_halves if self._pipelined(meta) else self.model
