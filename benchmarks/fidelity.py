@@ -9,6 +9,7 @@ rank, over task prompts — what the rank-r factorisation throws away. Writes be
 
     python -m benchmarks.fidelity --model models/shadowkv-small --device cpu
     python -m benchmarks.fidelity --key-tail-only --contexts 4096   # the key tail energy alone, printed
+    python -m benchmarks.fidelity --needle-probe --contexts 4096    # which layers' chunk scores find a needle
 """
 from __future__ import annotations
 
@@ -102,6 +103,51 @@ def key_tail_energy(model: str, context: int, samples: int, device: str, rank_sh
             "mean_tail": round(sum(layer_tail) / len(layer_tail), 4)}
 
 
+@torch.inference_mode()
+def needle_probe(model: str, context: int, samples: int, device: str, budget: float = 0.0156,
+                 chunk: int = 8, local_chunks: int = 4) -> dict:
+    """Per layer, the share of niah_single prompts (evaluation seeds) where a chunk holding the needle's value is among
+    the budget's best chunks of either KV head, at the last prompt token's query, by three chunk scores: ShadowKV's
+    landmarks (softmax of q·chunk-mean over the chunks, max over the GQA group), Quest's min/max bound, and the exact
+    max q·k in the chunk. Exact keys, no outlier chunks, local chunks left out: a probe of the scores alone."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    cfg = hf.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    captured: dict[str, torch.Tensor] = {}
+    handles = [getattr(layer.self_attn, f"{n}_proj").register_forward_hook(
+        lambda m, i, o, key=f"{n}{idx}": captured.__setitem__(key, o))
+        for idx, layer in enumerate(hf.model.layers) for n in "qk"]
+    top = max(1, round(budget * context / chunk))
+    hits = [[0, 0, 0] for _ in hf.model.layers]
+    for seed in range(samples):
+        sample = make_sample("niah_single", context, seed)
+        ids = sample.prompt_ids
+        at = bytes(t if t < 256 else 0 for t in ids).find(sample.answer.strip().encode())  # BOS as a 0 byte
+        needle = {(at + j) // chunk for j in range(len(sample.answer.strip()))}
+        hf.model(input_ids=torch.tensor([ids], device=device))
+        n = (len(ids) - local_chunks * chunk) // chunk
+        cos, sin = hf.model.rotary_emb(captured["k0"], torch.arange(len(ids), device=device)[None])
+        for layer in range(len(hits)):
+            q = captured[f"q{layer}"].view(1, -1, hq, d).transpose(1, 2)
+            k = captured[f"k{layer}"].view(1, -1, hkv, d).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q = q[0, :, -1].view(hkv, hq // hkv, d)  # (Hkv, group, d)
+            k = k[0, :, :n * chunk].reshape(hkv, n, chunk, d)
+            landmark = torch.softmax(torch.einsum("hgd,hnd->hgn", q, k.mean(2)) / d ** 0.5, -1).amax(1)
+            bound = torch.maximum(q[:, :, None] * k.amax(2)[:, None], q[:, :, None] * k.amin(2)[:, None])
+            exact = torch.einsum("hgd,hncd->hgnc", q, k).amax(-1).amax(1)
+            for i, score in enumerate((landmark, bound.sum(-1).amax(1), exact)):
+                hits[layer][i] += bool(needle & set(score.topk(min(top, n), -1).indices.flatten().tolist()))
+    for handle in handles:
+        handle.remove()
+    names = ("landmark", "quest", "exact_max")
+    return {"context": context, "samples": samples, "budget": budget,
+            "layers": [{name: h[i] / samples for i, name in enumerate(names)} for h in hits]}
+
+
 def engine(model: str, device: str, context: int, steps: int, budget: float | None) -> LLM:
     config = None if budget is None else shadowkv_config(model, context, budget)
     return LLM(model=model, device=device, shadowkv=config, max_model_len=context + steps + 1, max_num_seqs=1,
@@ -118,8 +164,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--key-tail-samples", type=int, default=5, help="task prompts per context for the key tail")
     parser.add_argument("--key-tail-only", action="store_true", help="print the key tail energy, write nothing")
+    parser.add_argument("--needle-probe", action="store_true",
+                        help="print, per layer, how often each chunk score finds a needle (needle_probe), and stop")
     parser.add_argument("--out", default="benchmarks/results/fidelity.json")
     args = parser.parse_args()
+    if args.needle_probe:
+        for context in args.contexts:
+            probe = needle_probe(args.model, context, args.key_tail_samples * 2, args.device)
+            for layer, shares in enumerate(probe["layers"]):
+                print(f"{context:6d} layer {layer}: needle chunk among the best {probe['budget']:.2%}: "
+                      + " ".join(f"{name} {share:.1f}" for name, share in shares.items()), flush=True)
+        return
     rows, start = [], time.time()
     key_tails = [key_tail_energy(args.model, c, args.key_tail_samples, args.device) for c in args.contexts]
     for t in key_tails:

@@ -3,10 +3,10 @@
 A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RMSNorm, SwiGLU) over the byte-level
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of benchmarks/longctx_data.py
-(language-model loss on the haystack, weighted down, plus the loss on the answer tokens), plus a key low-rank
-regulariser: the share of each layer's pre-RoPE key energy outside its top-r eigen-directions, r being the rank
-ShadowKV keeps (15.6 % of kv_heads*head_dim, as 160 is of Llama-3-8B's 1024). Real LLMs' pre-RoPE keys are that
-low-rank, which is what ShadowKV rests on; a model trained from scratch for minutes is not unless asked to be.
+(language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Optionally
+(--key-rank-weight, off for the shipped model) a key low-rank regulariser: the share of each layer's pre-RoPE key
+energy outside its top-r eigen-directions, r being the rank ShadowKV keeps (15.6 % of kv_heads*head_dim, as 160 is of
+Llama-3-8B's 1024); the log reports that share at every log line either way. docs/accuracy.md says what it did.
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
 
@@ -174,12 +174,17 @@ class StepBatches(torch.utils.data.Dataset):
 
 
 def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, key_weight: float,
-            key_iters: int | None = KEY_SUBSPACE_ITERS):
-    """(loss, lm, answer, key tail): the last three detached; key tail averaged over layers and rows."""
+            key_iters: int | None = KEY_SUBSPACE_ITERS, measure_tail: bool = True):
+    """(loss, lm, answer, key tail): the last three detached; key tail averaged over layers and rows, computed when
+    key_weight > 0 or measure_tail (else 0)."""
     capture.take()
     with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids).logits  # (B, L, V)
-    tail = key_tail(torch.cat(capture.take()), rank, key_iters).mean()  # every layer's rows in one batch
+    keys = capture.take()
+    tail = torch.zeros((), device=ids.device)
+    if key_weight > 0 or measure_tail:
+        with torch.set_grad_enabled(key_weight > 0 and torch.is_grad_enabled()):
+            tail = key_tail(torch.cat(keys), rank, key_iters).mean()  # every layer's rows in one batch
     targets = torch.roll(ids, -1, dims=1)
     token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # fp32 CE
     token_loss = token_loss.view_as(ids)
@@ -219,7 +224,8 @@ def train(model, args, log) -> dict:
             group["lr"] = learning_rate(step, total, args.lr)
         loss, lm, answer, tail = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors),
                                          capture, rank, args.key_rank_weight,
-                                         None if args.key_subspace_iters < 0 else args.key_subspace_iters)
+                                         None if args.key_subspace_iters < 0 else args.key_subspace_iters,
+                                         measure_tail=step % args.log_every == 0 or step == total - 1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -296,8 +302,8 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
     parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
     parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
-    parser.add_argument("--key-rank-weight", type=float, default=1.0,
-                        help="weight of the key low-rank regulariser (0: none)")
+    parser.add_argument("--key-rank-weight", type=float, default=0.0,
+                        help="weight of the key low-rank regulariser (0: none, the shipped model; 1 was tried)")
     parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
                         help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
