@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from serve_app.app import build_app
+from serve_app.edge import EDGE_ENV
 
 
 def free_port() -> int:
@@ -64,8 +65,9 @@ def serve_on_loopback(args: dict, app: str, replicas: int = 1) -> Iterator[str]:
 
 @contextlib.contextmanager
 def local_service(args: dict, app: str, env: dict[str, str] | None = None, replicas: int = 1) -> Iterator[str]:
-    """Ray (2 CPUs, no dashboard) and Serve on a free loopback port, the app built from `args`; yields its base URL."""
-    with ray_session(env), serve_on_loopback(args, app, replicas) as base:
+    """Ray (2 CPUs, no dashboard) and Serve on a free loopback port, the app built from `args`, its HTTP proxy
+    shedding load at the edge as deployed (EDGE_ENV); yields its base URL."""
+    with ray_session({**EDGE_ENV, **(env or {})}), serve_on_loopback(args, app, replicas) as base:
         yield base
 
 

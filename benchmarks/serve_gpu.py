@@ -45,6 +45,7 @@ from benchmarks.local_service import ray_session, serve_on_loopback
 from benchmarks.memory_model import LLAMA_31_8B, TINY, TINY_SHADOWKV, write_config
 from benchmarks.report import print_table
 from serve_app.app import AppArgs, engine_config, resolve_model
+from serve_app.edge import EDGE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "shadowkv"
@@ -305,7 +306,7 @@ def run_phases(profile: Profile, record: dict, out: Path, deadline: float, phase
     record["app_args"] = {**args, "model": "<random-weight geometry: profile.geometry>"}
     prompts = random_prompts(profile.batch, profile.context - profile.max_tokens, profile.geometry["vocab_size"])
     go = str(Path(model) / "go")
-    with ray_session(num_cpus=os.cpu_count(), num_gpus=profile.num_gpus, object_store_memory=2 << 30), \
+    with ray_session(EDGE_ENV, num_cpus=os.cpu_count(), num_gpus=profile.num_gpus, object_store_memory=2 << 30), \
             contextlib.ExitStack() as stack:
         record["ray_resources"] = ray.cluster_resources()
         task = None

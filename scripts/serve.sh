@@ -3,4 +3,6 @@
 # on 127.0.0.1:8000. Extra arguments go to `serve run`.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+# the HTTP proxy sheds completion requests beyond the service's capacity before forwarding them (serve_app/edge.py)
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-serve_app.edge:proxy_middlewares}
 exec serve run configs/local.yaml "$@"

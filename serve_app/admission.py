@@ -124,6 +124,11 @@ class CapacityBoard:
         with self._lock:
             return any(rep.room()[2] >= 1 for rep in self._replicas.values())
 
+    def total_slots(self) -> int:
+        """Slots of every reported replica, taken or not."""
+        with self._lock:
+            return sum(rep.stats.get("num_slots", 0) for rep in self._replicas.values())
+
     def num_replicas(self) -> int:
         with self._lock:
             return len(self._replicas)
@@ -150,6 +155,12 @@ class AdmissionGate:
     def __init__(self, board: CapacityBoard, max_waiting: int, max_wait_s: float, poll_s: float = 0.02):
         self.board, self.max_waiting, self.max_wait_s, self.poll_s = board, max_waiting, max_wait_s, poll_s
         self.num_waiting = 0
+
+    def capacity(self) -> tuple[int, float] | None:
+        """(requests the service holds at most: every slot and the waiting line, the Retry-After of a refusal), for
+        the proxies' edge shedding (serve_app/edge.py); None while no replica has reported."""
+        slots = self.board.total_slots()
+        return (slots + self.max_waiting, self.max_wait_s) if slots else None
 
     def refuse_early(self) -> None:
         """Refuse before any work on the request (tokenization) when no replica has a slot and none may wait."""

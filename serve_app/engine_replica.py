@@ -140,7 +140,7 @@ class EngineReplica:
         return {**s,
                 "free_gpu_bytes": s["gpu_bytes_total"] - max(gpu_held, s["gpu_bytes_in_use"]),
                 "free_host_bytes": s["host_bytes_total"] - max(host_held, s["host_bytes_in_use"]),
-                "free_slots": self.max_num_seqs - len(self._held),
+                "free_slots": self.max_num_seqs - len(self._held), "num_slots": self.max_num_seqs,
                 "request_ids": list(self._held), "num_requests": self._num_requests, **self._location}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.admission import AdmissionGate, Footprint, board_for
+from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
 from serve_app.metrics import ServiceMetrics
@@ -33,6 +34,8 @@ api = FastAPI(title="ShadowKV Serve", description="OpenAI-compatible long-contex
 install_error_handlers(api)
 GUARD = GuardSettings()  # API keys and body size limit: the Ingress sets them when it starts
 api.add_middleware(RequestGuard, settings=GUARD)
+CAPACITY = CapacitySource()  # the Ingress sets it when it starts
+api.add_middleware(CapacityAdvert, source=CAPACITY)
 
 
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, ray_actor_options={"num_cpus": 0},
@@ -48,6 +51,7 @@ class Ingress:
         self.stream_engine = engine.options(stream=True)
         self.board = board_for(serve.get_replica_context().app_name, engine.deployment_name)
         self.gate = AdmissionGate(self.board, max_waiting=max_waiting, max_wait_s=max_wait_s)
+        CAPACITY.read = self.gate.capacity
         self.default_max_tokens = default_max_tokens
         self.metrics = ServiceMetrics()
         self.info: dict | None = None

@@ -182,6 +182,10 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
     assert all(r.json()["usage"]["completion_tokens"] == 300 for r, _ in ok)
     for r, _ in refused:
         assert r.headers["Retry-After"] and r.json()["error"]["type"] == "rate_limit_error"
+    # The ingress advertises its capacity (slots + waiting line) on every response, and the HTTP proxy, which learnt
+    # it from the /health answers, refused the excess itself: its 429s never reached the ingress (no header).
+    assert all(r.headers["x-shadowkv-capacity"] == str(SLOTS) for r, _ in ok)
+    assert any("x-shadowkv-capacity" not in r.headers for r, _ in refused)
     # Refused at once, not after waiting for room: every 429 is back long before any admitted request ends. (Its
     # latency on 2 shared cores is a measurement, in docs/reliability.md, not something a test can bound tightly.)
     slowest_refusal, fastest_completion = max(dt for _, dt in refused), min(dt for _, dt in ok)

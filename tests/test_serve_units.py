@@ -233,3 +233,50 @@ def test_router_sends_a_request_where_admission_placed_it_and_replaces_it_if_tha
     assert asyncio.run(router.choose_replicas([b], request)) == [[b]]  # "a" gone: best fit among the live ones
     assert board.placement("r1") == "b"
     assert asyncio.run(router.choose_replicas([a, b], None)) == [[a, b]]  # no placement: any replica
+
+
+def test_edge_shedder_refuses_beyond_the_advertised_capacity_without_forwarding():
+    """The proxy's middleware: forwards everything until a response advertises the capacity, then refuses completion
+    requests beyond it at once (429, Retry-After, OpenAI body) without calling the app; other routes always pass."""
+    from serve_app.edge import CAPACITY_HEADER, RETRY_HEADER, CapacityAdvert, CapacitySource, EdgeShedder
+
+    release, calls = asyncio.Event(), []
+
+    async def service(scope, receive, send):  # the ingress behind the proxy, advertising capacity 2
+        calls.append(scope["path"])
+        if scope["method"] == "POST":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    source = CapacitySource()
+    edge = EdgeShedder(CapacityAdvert(service, source))
+
+    async def call(method, path):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+        await edge({"type": "http", "method": method, "path": path, "headers": []}, None, send)
+        start = sent[0]
+        return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def scenario():
+        assert (await call("GET", "/health"))[0] == 200 and edge.capacity is None  # no replica reported yet
+        source.read = lambda: (2, 3.0)
+        status, headers, _ = await call("GET", "/health")
+        assert status == 200 and headers[CAPACITY_HEADER] == b"2" and headers[RETRY_HEADER] == b"3.0"
+        assert edge.capacity == 2
+        held = [asyncio.create_task(call("POST", "/v1/completions")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert edge.in_flight == 2
+        forwarded = len(calls)
+        status, headers, body = await call("POST", "/v1/chat/completions")
+        assert status == 429 and headers[b"retry-after"] == b"3" and len(calls) == forwarded
+        assert json.loads(body)["error"]["type"] == "rate_limit_error" and edge.shed == 1
+        assert (await call("GET", "/v1/models"))[0] == 200  # other routes pass at capacity
+        release.set()
+        assert [t[0] for t in await asyncio.gather(*held)] == [200, 200] and edge.in_flight == 0
+        assert (await call("POST", "/v1/completions"))[0] == 200  # room again
+
+    asyncio.run(scenario())
