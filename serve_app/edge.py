@@ -13,6 +13,7 @@ CAPACITY_HEADER (and the Retry-After it would give in RETRY_HEADER): no extra ca
 replicas report. Until a response has told it, and for every other route, the proxy forwards everything. It sheds only
 requests that the ingress would refuse at once too: at capacity every slot is taken and the waiting line is full. Each
 proxy counts its own requests, so several proxies together may still forward more; the ingress stays the authority.
+At capacity a malformed request is answered 429 here, not 400: the proxy does not read bodies.
 """
 from __future__ import annotations
 
