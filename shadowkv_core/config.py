@@ -92,6 +92,7 @@ class EngineConfig:
         (Decoder.forward_halves), so that one half's host value fetch runs under the other half's compute; ShadowKV
         only. It reads the weights twice per step: measured on an H200 at 122K (benchmarks/results/throughput.json,
         CUDA graphs) it is slower up to batch 6, even at 8 and 16, faster at 13 (+17 %) and 26 (+13 %, fp8 values).
+        None: on CUDA only (elsewhere there are no side streams for a half's fetch to run on).
     cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
         the same tokens as eager, without the per-kernel launch cost.
     """
@@ -112,7 +113,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     use_kernels: bool | None = None
-    pipeline_decode: bool = True
+    pipeline_decode: bool | None = None
     pipeline_min_batch: int = 12
     cuda_graphs: bool = True
 

@@ -238,3 +238,6 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
     assert runs[0] == runs[1]
     assert halves_calls and all(halves_calls)  # the pipelined engine decoded in halves, the other never
     assert sum(runs[0][1]) > 0  # the sparse config fetched: the halves' counters are summed, not overwritten
+    # by default only CUDA pipelines (its side streams are what a half's fetch overlaps on)
+    default = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse)
+    assert default.engine.config.pipeline_decode is None and default.engine.runner.pipeline_min_batch == 0

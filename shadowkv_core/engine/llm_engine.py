@@ -32,13 +32,18 @@ class LLMEngine:
                                  self.model.rotary)
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   pipeline_min_batch=config.pipeline_min_batch
-                                  if config.pipeline_decode and config.shadowkv is not None else 0,
+                                  if self._pipelines(config) else 0,
                                   cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    def _pipelines(self, config: EngineConfig) -> bool:
+        """Whether decode batches run in pipelined halves (EngineConfig.pipeline_decode; ShadowKV only)."""
+        wanted = self.device.type == "cuda" if config.pipeline_decode is None else config.pipeline_decode
+        return wanted and config.shadowkv is not None
 
     # ---- requests in -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
