@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from kernels.decode_attention import decode_attention
@@ -128,10 +129,8 @@ class DenseKVCache(KVCache):
         table's width and max_len are rounded up to powers of two (the kernel's own length bucket): the shapes a
         captured CUDA graph is keyed on then change rarely, not every step."""
         def plan():
-            tables = [self._table_tensors[s] for s in meta.seq_ids]
-            table = torch.zeros(len(tables), triton.next_power_of_2(max(len(t) for t in tables)), dtype=torch.int32)
-            for row, t in zip(table, tables):
-                row[:len(t)] = t
+            table = torch.nn.utils.rnn.pad_sequence([self._table_tensors[s] for s in meta.seq_ids], batch_first=True)
+            table = F.pad(table, (0, triton.next_power_of_2(table.shape[1]) - table.shape[1]))
             lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
             slots = torch.zeros(len(meta.seq_ids), dtype=torch.int32)
             return (table.to(self.k.device), lens.to(self.k.device), slots.to(self.k.device),
