@@ -13,6 +13,12 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
                                             contiguous); only the missed slots are written
   host_scales  (P, PAGE_TOKENS/C, Hkv) fp32 optional: host_values are then float8_e4m3fn, dequantised here as
                                             fp32 value * its chunk's scale, rounded once to value_slots' dtype
+  miss_slots None                           the j-th miss goes to slot j: a speculative prefetch filling its staging
+                                            area (value_slots) in selection order
+  staged                                    optional (stage_chunks, stage_count, stage_values, staged_hits): a
+                                            prefetch's lists (as miss_chunks, num_miss) and where it put them
+                                            (N, Hkv, K*C, d); a miss found there is copied from there (device memory)
+                                            instead of the host, and staged_hits (1,) int32 counts those misses
 Work items of (sequence, KV head, MISSES_PER_PROGRAM misses), one per program or, with a capped grid, several;
 items past num_miss do nothing.
 """
@@ -23,11 +29,12 @@ import triton.language as tl
 
 @triton.jit
 def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr,
-                         out_ptr, num_items, stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb,
-                         stride_mh, stride_nb, stride_on, stride_oh,
+                         out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr, staged_hits_ptr, num_items,
+                         stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
+                         stride_on, stride_oh, stride_gn, stride_gh,
                          NUM_HEADS: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
                          PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
-                         FP8: tl.constexpr):
+                         FP8: tl.constexpr, IN_ORDER: tl.constexpr, STAGED: tl.constexpr, K_PAD: tl.constexpr):
     # Work items (sequence, KV head, block of MISSES_PER_PROGRAM misses), taken in turn by the grid's programs: one
     # each with a full grid, several each with a capped (persistent) one.
     ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
@@ -40,31 +47,61 @@ def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_
             miss = blk * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
             r_mask = miss < num_miss
             chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
-            slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+            if IN_ORDER:
+                slot_chunk = miss
+            else:
+                slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            from_host = r_mask
+            if STAGED:  # where each row's chunk sits in the prefetch's staging area, -1 if it was not prefetched
+                offs_k = tl.arange(0, K_PAD)
+                staged = tl.load(stage_chunks_ptr + b * stride_mb + h * stride_mh + offs_k,
+                                 mask=offs_k < tl.load(stage_count_ptr + b * stride_nb + h), other=-1)
+                at = tl.max(tl.where(chunk[:, None] == staged[None, :], offs_k[None, :], -1), 1)  # (ROWS,)
+                from_stage = r_mask & (at >= 0)
+                from_host = r_mask & (at < 0)
+                src_stage = slot * stride_gn + h * stride_gh + (at * CHUNK + offs_r % CHUNK) * HEAD_DIM
+                stage_vals = tl.load(stage_ptr + src_stage[:, None] + offs_d[None, :], mask=from_stage[:, None])
+                tl.atomic_add(staged_hits_ptr, tl.sum(from_stage.to(tl.int32), 0) // CHUNK)
             token = chunk * CHUNK + offs_r % CHUNK
-            page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
+            page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=from_host, other=0).to(tl.int64)
             src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
-            vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=r_mask[:, None])
+            vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=from_host[:, None])
             if FP8:
                 scale = tl.load(scales_ptr + page * stride_sp + (token % PAGE_TOKENS) // CHUNK * stride_sc + h,
-                                mask=r_mask, other=0.0)
+                                mask=from_host, other=0.0)
                 vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
-            slot = tl.load(slot_ptr + b).to(tl.int64)
+            vals = vals.to(out_ptr.dtype.element_ty)
+            if STAGED:
+                vals = tl.where(from_stage[:, None], stage_vals, vals)
             dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
-            tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals.to(out_ptr.dtype.element_ty),
-                     mask=r_mask[:, None])
+            tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals, mask=r_mask[:, None])
 
 
 def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
-                 miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor, value_slots: torch.Tensor,
-                 chunk_size: int, misses_per_program: int = 4, host_scales: torch.Tensor | None = None,
-                 max_programs: int | None = None) -> None:
+                 miss_slots: torch.Tensor | None, num_miss: torch.Tensor, slot_ids: torch.Tensor,
+                 value_slots: torch.Tensor, chunk_size: int, misses_per_program: int = 4,
+                 host_scales: torch.Tensor | None = None, max_programs: int | None = None,
+                 staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """max_programs caps the grid (programs then loop over the work): fewer multiprocessors wait on PCIe, the others
     stay free for work on other streams. None: one program per (sequence, KV head, block of misses)."""
     P, page_tokens, Hkv, d = host_values.shape
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
-    assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == miss_slots.shape == (B, Hkv, K)
+    assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == (B, Hkv, K)
+    in_order = miss_slots is None
+    if in_order:
+        miss_slots = miss_chunks  # not read
+    assert miss_slots.shape == miss_chunks.shape
+    if staged is None:
+        stage_chunks, stage_count, stage_values, staged_hits = miss_chunks, num_miss, value_slots, num_miss  # not read
+    else:
+        stage_chunks, stage_count, stage_values, staged_hits = staged
+        assert stage_chunks.shape == miss_chunks.shape and stage_chunks.is_contiguous()
+        assert stage_count.shape == num_miss.shape and stage_count.is_contiguous() and num_miss.is_contiguous()
+        assert stage_values.shape == value_slots.shape and stage_values.dtype == value_slots.dtype
+        assert stage_values.stride()[2:] == (d, 1) and stage_chunks.dtype == stage_count.dtype == torch.int32
+        assert staged_hits.dtype == torch.int32 and staged_hits.numel() == 1
     # On CUDA the host tensor must be pinned or cudaHostRegister-ed: Triton's launcher refuses any other host pointer.
     assert host_values.device.type == "cpu", "host values are read in place from host memory (zero-copy)"
     fp8 = host_scales is not None
@@ -86,9 +123,11 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     num_items = B * Hkv * blocks
     grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
-        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots, num_items,
+        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots, stage_chunks,
+        stage_count, stage_values, staged_hits, num_items,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
-        value_slots.stride(0), value_slots.stride(1),
+        value_slots.stride(0), value_slots.stride(1), stage_values.stride(0), stage_values.stride(1),
         NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
-        MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, num_warps=4)
+        MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, IN_ORDER=in_order, STAGED=staged is not None,
+        K_PAD=triton.next_power_of_2(K), num_warps=4)

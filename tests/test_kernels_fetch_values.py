@@ -62,3 +62,68 @@ def test_fetch_values_fp8_llama():
     num_chunks = ragged_lengths(128 * 1024 // C, 4, seed=5)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
            "cuda", fp8=True, max_programs=32)
+
+
+def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False):
+    """A prefetch (miss_slots None: the j-th chunk to staging slot j) of random lists, then a fetch whose misses are
+    partly among them: equal to the reference fetch from the host, with the staged misses read from the staging
+    area (their host rows are poisoned after the prefetch) and counted."""
+    g = torch.Generator().manual_seed(seed)
+    B, N = len(num_chunks), len(num_chunks) + 1
+    table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
+    host_values = torch.randn(num_pages, page_tokens, Hkv, d, generator=g).to(dtype)
+    host_scales = None
+    if fp8:
+        host_values, host_scales = quantize_values(host_values.float(), C)
+    if device == "cuda":
+        host_values = host_values.pin_memory()
+        host_scales = host_scales.pin_memory() if fp8 else None
+    slot_ids = slot_ids_for(B, N, g).to(device)
+    misses = [t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g)]
+    stage_chunks, stage_count = misses[0].clone(), misses[2].clone()
+    for b in range(B):  # the prefetch guessed about half of each head's misses, and chunks that are not missed
+        for h in range(Hkv):
+            m = int(misses[2][b, h])
+            guessed = misses[0][b, h, :m][torch.randperm(m, generator=g)[:m // 2].to(device)]
+            others = torch.tensor([c for c in torch.randperm(num_chunks[b], generator=g).tolist()
+                                   if c not in misses[0][b, h, :m].tolist()][:K - len(guessed)], dtype=torch.int32)
+            row = torch.cat([guessed, others.to(device)])[torch.randperm(len(guessed) + len(others), generator=g)
+                                                          .to(device)]
+            stage_chunks[b, h, :len(row)] = row
+            stage_count[b, h] = len(row)
+    expected_hits = sum(int(torch.isin(misses[0][b, h, :int(misses[2][b, h])],
+                                       stage_chunks[b, h, :int(stage_count[b, h])]).sum())
+                        for b in range(B) for h in range(Hkv))
+    value_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
+    expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C, host_scales)
+    stage = torch.full_like(value_slots, float("nan"))
+    fetch_values(host_values, table.to(device), stage_chunks, None, stage_count, slot_ids, stage, C,
+                 host_scales=host_scales)
+    for b in range(B):  # the staged chunks' host values are not read again
+        for h in range(Hkv):
+            for c in stage_chunks[b, h, :int(stage_count[b, h])].tolist():
+                rows = torch.arange(c * C, c * C + C)
+                pages = table[b].long()[rows // page_tokens]
+                poison = 0x7F if fp8 else float("nan")  # 0x7F: e4m3's NaN
+                host_values.view(torch.uint8 if fp8 else dtype)[pages, rows % page_tokens, h] = poison
+    got = value_slots.clone()
+    got[expected != value_slots] = float("nan")
+    hits = torch.zeros(1, dtype=torch.int32, device=device)
+    fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales,
+                 staged=(stage_chunks, stage_count, stage, hits), max_programs=3)
+    assert_close(got, expected, dtype, "value slots", tol=(0, 0))
+    assert int(hits) == expected_hits > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fetch_values_copies_the_misses_a_prefetch_staged(dtype, fp8):
+    _check_staged([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=6, fp8=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fetch_values_staged_llama(fp8):
+    C = LLAMA["chunk_size"]
+    _check_staged(ragged_lengths(32 * 1024 // C, 4, seed=7), LLAMA["num_kv_heads"], LLAMA["head_dim"],
+                  LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", fp8=fp8)
