@@ -120,12 +120,13 @@ def window_tokens(cfg: ShadowKVConfig) -> int:
 
 def slot_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
     """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident and outlier chunk ids;
-    sparse, outlier and window keys and values."""
+    sparse, outlier and window keys and values; with prefetch, two layers of staged sparse values."""
     C, K, O = cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     exact_tokens = K * C + O * C + window_tokens(cfg)
     per_layer = (cfg.rank * g.kv_width + 2 * exact_tokens * g.kv_width) * g.dtype_bytes
     per_layer += (K + O) * g.num_kv_heads * INDEX_BYTES
-    return g.num_layers * per_layer
+    staging = 2 * K * C * g.kv_width * g.dtype_bytes if cfg.prefetch else 0
+    return g.num_layers * per_layer + staging
 
 
 def shadow_pages(cfg: ShadowKVConfig, tokens: int) -> int:

@@ -210,14 +210,30 @@ def test_a_short_prompt_with_a_long_generation_is_kept_in_shadows(tiny_path, den
     assert shadow.generate([prompt], params)[0].token_ids == dense_llm.generate([prompt], params)[0].token_ids
 
 
+SPARSE = dict(rank=8, chunk_size=4, sparse_budget=8, outlier_chunks=1, local_chunks=2, min_context=16,
+              decode_window=8)  # low rank, small budget: misses every step
+RAGGED_PROMPTS = prompts_of_lengths([90, 5, 61, 47, 120], seed=23)  # 5 + 10 tokens stay dense
+
+
+def decode_counting(llm: LLM, prompts, params) -> tuple[dict, list[dict]]:
+    """Generate step by step -> the tokens per request and the cache's counters after each step."""
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(str(i), p, params)
+    tokens, counters = {}, []
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens[out.request_id] = out.token_ids
+        stats = llm.engine.cache.stats()
+        counters.append({k: stats[k] for k in ("chunks_fetched", "chunks_prefetched", "chunks_from_prefetch")})
+    assert cache_is_empty(llm.engine)
+    return tokens, counters
+
+
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
 def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
     """pipeline_decode only reorders work (two halves, layer by layer): same tokens, same selections and fetches, on
-    a sparse config (low rank, small budget: misses every step) and a ragged batch mixing dense and shadow
-    sequences."""
-    sparse = ShadowKVConfig(rank=8, chunk_size=4, sparse_budget=8, outlier_chunks=1, local_chunks=2,
-                            min_context=16, decode_window=8)
-    prompts = prompts_of_lengths([90, 5, 61, 47, 120], seed=23)  # 5 + 10 tokens stay dense
+    a sparse config and a ragged batch mixing dense and shadow sequences."""
+    sparse = ShadowKVConfig(**SPARSE)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     runs, halves_calls = [], []
     for pipeline in (False, True):
@@ -226,18 +242,31 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
         model = llm.engine.runner.model
         halves = model.forward_halves
         model.forward_halves = lambda *args: halves_calls.append(pipeline) or halves(*args)
-        for i, p in enumerate(prompts):
-            llm.engine.add_request(str(i), p, params)
-        tokens, fetched = {}, []
-        while llm.engine.has_unfinished_requests():
-            for out in llm.engine.step():
-                tokens[out.request_id] = out.token_ids
-            fetched.append(llm.engine.cache.stats()["chunks_fetched"])
-        runs.append((tokens, fetched))
-        assert cache_is_empty(llm.engine)
+        runs.append(decode_counting(llm, RAGGED_PROMPTS, params))
     assert runs[0] == runs[1]
     assert halves_calls and all(halves_calls)  # the pipelined engine decoded in halves, the other never
-    assert sum(runs[0][1]) > 0  # the sparse config fetched: the halves' counters are summed, not overwritten
+    # the sparse config fetched: the halves' counters are summed, not overwritten
+    assert sum(c["chunks_fetched"] for c in runs[0][1]) > 0
     # by default only CUDA pipelines (its side streams are what a half's fetch overlaps on)
     default = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse)
     assert default.engine.config.pipeline_decode is None and default.engine.runner.pipeline_min_batch == 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pipelined"])
+def test_speculative_prefetch_decodes_exactly_as_without(tiny_path, pipeline):
+    """config.prefetch only moves work: the same tokens and misses per step as without it, part of the misses copied
+    from what the previous layer's speculative query prefetched (the Triton path, in the interpreter on CPU)."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = []
+    for prefetch in (False, True):
+        llm = LLM(model=tiny_path, max_num_seqs=5, max_model_len=256, gpu_cache_gib=0.01,
+                  shadowkv=ShadowKVConfig(**SPARSE, prefetch=prefetch), use_kernels=True, pipeline_decode=pipeline,
+                  pipeline_min_batch=2)
+        runs.append(decode_counting(llm, RAGGED_PROMPTS, params))
+    (want, plain), (got, prefetched) = runs
+    assert got == want
+    assert [c["chunks_fetched"] for c in prefetched] == [c["chunks_fetched"] for c in plain]
+    assert all(c["chunks_prefetched"] == c["chunks_from_prefetch"] == 0 for c in plain)
+    used = sum(c["chunks_from_prefetch"] for c in prefetched)
+    assert 0 < used <= sum(c["chunks_fetched"] for c in prefetched)
+    assert used <= sum(c["chunks_prefetched"] for c in prefetched)

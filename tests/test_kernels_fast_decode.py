@@ -9,7 +9,7 @@ from shadowkv_core.attention import AttentionMetadata
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.dense_cache import DenseKVCache
 from shadowkv_core.shadowkv.cache import ShadowKVCache
-from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, decode_layer_fast, speculate_layer
 
 L, HQ, HKV, D = 2, 8, 2, 32
 SCALE = D ** -0.5
@@ -21,12 +21,15 @@ def _cache(config, rotary, dtype, device):
                          num_host_pages=512, dense=dense)
 
 
-def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
+def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device, speculation_noise=None):
+    """One forward of every layer on both caches -> [(reference output, fast output)] per layer, the fast path's plan
+    and its misses in layer 0. speculation_noise: the fast cache prefetches each next layer with its query plus that
+    much noise."""
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)]).to(device)
     meta = AttentionMetadata(is_prefill, list(range(len(lens))), lens, ctx, positions)
-    outs = []
-    for layer in range(L):
-        q, k_pre, v = (torch.randn(len(positions), h, D, device=device).to(dtype) for h in (HQ, HKV, HKV))
+    outs, plan, first_misses = [], None, None
+    inputs = [[torch.randn(len(positions), h, D, device=device).to(dtype) for h in (HQ, HKV, HKV)] for _ in range(L)]
+    for layer, (q, k_pre, v) in enumerate(inputs):
         q, k_rot = rotary.apply(q, positions), rotary.apply(k_pre, positions)
         ref = caches[0].attend(layer, q, k_pre, k_rot, v, meta)
         if is_prefill:
@@ -35,9 +38,14 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
         if layer == 0:
             plan = DecodePlan.build(caches[1], [caches[1].seqs[i] for i in meta.seq_ids])
         outs.append((ref, decode_layer_fast(caches[1], layer, plan, q, k_pre, k_rot, v)))
+        first_misses = int(plan.misses) if layer == 0 else first_misses
+        if speculation_noise is not None and layer + 1 < L:
+            q_next = inputs[layer + 1][0]
+            guess = q_next + speculation_noise * torch.randn_like(q_next)
+            speculate_layer(caches[1], layer + 1, plan, rotary.apply(guess, positions))
     for cache in caches:
         cache.finish_forward(meta)
-    return outs
+    return outs, plan, first_misses
 
 
 @pytest.mark.parametrize("value_format", ["model", "fp8"])
@@ -54,11 +62,49 @@ def test_fast_decode_equals_reference(dtype, value_format, device=DEVICE, prompt
     _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
     for step in range(steps):
         ctx = [n + step for n in prompt_lens]
-        for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)):
+        for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)[0]):
             assert_close(got, ref, dtype, f"step {step} layer {layer} attention output")
         assert torch.equal(caches[0].slots.resident, caches[1].slots.resident), f"step {step}: resident chunks"
     for cache in caches:
         cache.close()
+
+
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
+def test_speculative_prefetch_only_moves_work(value_format, dtype=torch.float32, device=DEVICE,
+                                              prompt_lens=(150, 61, 97), steps=6):
+    """With a prefetch of each next layer (a noisy guess of its query): the same outputs and resident chunks as the
+    reference, part of the misses copied from the staging area; with an exact guess, every miss after layer 0."""
+    config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
+                            min_context=0, decode_window=8, page_chunks=4, value_format=value_format, prefetch=True)
+    rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
+    caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
+    for cache in caches:
+        for i, n in enumerate(prompt_lens):
+            cache.allocate(i, n, steps + 1)
+    torch.manual_seed(1)
+    _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
+    staged = {}
+    for step in range(steps):
+        ctx = [n + step for n in prompt_lens]
+        noise = 0.0 if step % 2 else 1.0
+        outs, plan, first_misses = _forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device,
+                                            speculation_noise=noise)
+        for layer, (ref, got) in enumerate(outs):
+            assert_close(got, ref, dtype, f"step {step} layer {layer} attention output")
+        assert torch.equal(caches[0].slots.resident, caches[1].slots.resident), f"step {step}: resident chunks"
+        staged[noise] = staged.get(noise, 0) + int(plan.staged_hits)
+        assert int(plan.staged_hits) <= int(plan.prefetched) and int(plan.staged_hits) <= int(plan.misses)
+        if noise == 0.0:
+            assert int(plan.staged_hits) == int(plan.misses) - first_misses > 0, f"step {step}"
+    assert 0 < staged[1.0] < staged[0.0], staged
+    for cache in caches:
+        cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
+def test_speculative_prefetch_only_moves_work_gpu_bf16(value_format):
+    test_speculative_prefetch_only_moves_work(value_format, torch.bfloat16, "cuda", prompt_lens=(1500, 611, 977, 2048))
 
 
 @pytest.mark.gpu

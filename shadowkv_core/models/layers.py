@@ -97,13 +97,22 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         """q (t, Hq, d) post-RoPE, k_pre (t, Hkv, d) pre-RoPE (after k_norm), k_rot post-RoPE, v (t, Hkv, d)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (t, Hkv, d)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self._query(q, positions, seq_lens), k, self.rotary.apply(k, positions, seq_lens), v
+
+    def _query(self, q: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary.apply(q, positions, seq_lens)
-        return q, k, self.rotary.apply(k, positions, seq_lens), v
+            q = self.q_norm(q)
+        return self.rotary.apply(q, positions, seq_lens)
+
+    def query(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
+        """The query part of the projection alone: (t, Hq, d) post-RoPE."""
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[:self.q_size]
+        return self._query(F.linear(x, self.qkv_proj.weight[:self.q_size], bias), positions, seq_lens)
 
 
 class DecoderLayer(nn.Module):
@@ -126,6 +135,12 @@ class DecoderLayer(nn.Module):
         """The layer up to its cache's attention, begun (see KVCache.attend_begin); `end` does the rest."""
         return self.self_attn.begin(chunked(self.input_layernorm, h, self.chunk_tokens), positions, seq_lens, cache,
                                     meta)
+
+    def speculative_query(self, h: torch.Tensor, positions: torch.Tensor,
+                          seq_lens: torch.Tensor | None) -> torch.Tensor:
+        """This layer's query of hidden states h that are not its input yet (the previous layer's input): residual
+        streams change little from one layer to the next, so it approximates the query this layer will make."""
+        return self.self_attn.query(self.input_layernorm(h), positions, seq_lens)
 
     def end(self, h: torch.Tensor, handle, cache: KVCache) -> torch.Tensor:
         attn = self.self_attn.end(handle, cache)

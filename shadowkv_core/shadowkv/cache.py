@@ -15,7 +15,7 @@ import torch
 
 from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
-from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer, speculate_layer
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
 from shadowkv_core.shadowkv.pages import GpuPages
@@ -27,8 +27,10 @@ from shadowkv_core.shadowkv.slots import SequenceState, Slots
 class StepCounters:
     selected: int = 0  # (sequence, layer, KV head, chunk) selections
     hits: int = 0
-    fetched: int = 0  # chunks rebuilt and fetched
-    bytes_fetched: int = 0  # value bytes read from the host
+    fetched: int = 0  # chunks rebuilt and fetched (the misses)
+    bytes_fetched: int = 0  # value bytes read from the host: the misses not staged, and the prefetches
+    prefetched: int = 0  # chunks a speculative prefetch fetched (config.prefetch)
+    from_prefetch: int = 0  # misses copied from a prefetch's staging area: off the step's critical path
 
 
 @dataclass
@@ -169,6 +171,15 @@ class ShadowKVCache(KVCache):
             out[rows] = end_decode_layer(self, pending)
         return out
 
+    def speculates(self, meta: AttentionMetadata) -> bool:
+        return self.config.prefetch and self._decodes_fast(meta, self._split_batch(meta))
+
+    def speculate(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> None:
+        split = self._split_batch(meta)
+        plan = self._plan(split)
+        if plan.k_max:
+            speculate_layer(self, layer, plan, q[split.shadow_tokens])
+
     def _decodes_fast(self, meta: AttentionMetadata, split: BatchSplit) -> bool:
         """Whether the forward's shadow sequences decode on the kernels (else: prefill, or the reference path)."""
         return not meta.is_prefill and bool(split.shadow) and self.use_kernels and self.chunk_scorer is None
@@ -255,8 +266,11 @@ class ShadowKVCache(KVCache):
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
         fetched = int(sum(plan.misses for plan in self._plans))
+        prefetched = int(sum(plan.prefetched for plan in self._plans))
+        from_prefetch = int(sum(plan.staged_hits for plan in self._plans))
         self.step = StepCounters(selected, selected - fetched, fetched,
-                                 fetched * self.host.fetch_bytes())
+                                 (fetched - from_prefetch + prefetched) * self.host.fetch_bytes(), prefetched,
+                                 from_prefetch)
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU
@@ -283,6 +297,8 @@ class ShadowKVCache(KVCache):
             "hit_rate": last.hits / last.selected if last.selected else 0.0,
             "chunks_fetched": last.fetched,
             "bytes_fetched": last.bytes_fetched,
+            "chunks_prefetched": last.prefetched,
+            "chunks_from_prefetch": last.from_prefetch,
             "gpu_bytes_in_use": self.gpu.bytes_in_use + self.slots.bytes_in_use + dense["gpu_bytes_in_use"],
             "host_bytes_in_use": self.host.bytes_in_use + dense["host_bytes_in_use"],
             "gpu_bytes_total": (self.gpu.num_pages * self.gpu.page_bytes + self.slots.num_slots * self.slots.slot_bytes

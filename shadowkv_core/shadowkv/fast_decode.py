@@ -4,12 +4,14 @@ streams joined by events, and no host sync inside a layer or between layers.
 
 The cache builds a DecodePlan once per decode forward (the per-sequence bookkeeping copied to the device once, shared
 by every layer) and calls `decode_layer_fast` per layer instead of `decode_layer` per sequence.
+With config.prefetch the decoder hands each layer a speculative query of the next (speculate_layer): the next layer's
+likely misses start moving over PCIe while this layer computes, and its own fetch copies those it finds staged.
 RoPE frequencies are taken per sequence at its prompt length (exact for every rope type whose frequencies do not
 depend on the sequence length, and for longrope once the prompt is past the original context).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import triton
@@ -42,6 +44,9 @@ class DecodePlan:
     max_len: int
     streams: tuple | None  # (value fetch, key rebuild) on CUDA
     misses: torch.Tensor  # () int64 chunks fetched this forward, summed over layers (read once, after the step)
+    prefetched: torch.Tensor  # () int64 chunks a speculative prefetch fetched (config.prefetch)
+    staged_hits: torch.Tensor  # (1,) int32 misses copied from a prefetch's staging area instead of the host
+    staged: dict = field(default_factory=dict)  # layer -> its prefetch's lists (chunks, count), until it selects
 
     @staticmethod
     def build(cache, states: list[SequenceState]) -> DecodePlan:
@@ -75,7 +80,9 @@ class DecodePlan:
             inv_freq=inv_freq.expand(len(states), -1).contiguous(),
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
-            misses=torch.zeros((), dtype=torch.int64, device=dev))
+            misses=torch.zeros((), dtype=torch.int64, device=dev),
+            prefetched=torch.zeros((), dtype=torch.int64, device=dev),
+            staged_hits=torch.zeros(1, dtype=torch.int32, device=dev))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the plan (what a CUDA graph of the forward reads and, for `misses`, writes)."""
@@ -102,7 +109,7 @@ class PendingLayer:
     plan: DecodePlan
     q: torch.Tensor
     done: list  # CUDA events of the side streams' work; empty on CPU (done in order)
-    misses: tuple | None  # the miss lists the side streams read: held until the current stream waits for them
+    misses: tuple | None  # the lists the side streams read (misses, staged): held until the current stream waits
 
 
 def decode_layer_fast(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
@@ -144,39 +151,68 @@ def append_token(cache, layer, plan, slot, k_pre, k_rot, v) -> None:
     cache.slots.window_v[slot, layer, plan.window_pos] = v
 
 
-def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:
-    """Score, pick the top-k chunks, update the resident chunks, then queue the misses' key rebuild (stream A) and
-    value fetch (stream B). -> the miss lists and the side streams' events (see on_two_streams)."""
-    slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
+def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+    """Score the landmarks and pick the top-k chunks -> (B, Hkv, k_max), by score as reference.select_chunks."""
     scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
-                             slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max, cache.scale)
-    selected = scores.topk(plan.k_max, dim=-1).indices  # (B, Hkv, k_max), by score as reference.select_chunks
-    misses = assign_slots(slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected)
+                             cache.slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max,
+                             cache.scale)
+    return scores.topk(plan.k_max, dim=-1).indices
+
+
+def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:
+    """Select, update the resident chunks, then queue the misses' key rebuild (stream A) and value fetch (stream B),
+    which copies the misses a prefetch staged from the GPU. -> the lists the side streams read and their events
+    (see on_two_streams)."""
+    slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
+    misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected)
     plan.misses += misses[2].sum()
+    staged = plan.staged.pop(layer, None)
+    from_stage = None if staged is None else (*staged, slots.stage_v[:, layer % 2], plan.staged_hits)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
     done = on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
                    lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids,
                                         slots.sparse_v[:, layer], C, host_scales=cache.host.scales_of(layer),
-                                        max_programs=cache.fetch_programs))
-    return misses, done
+                                        max_programs=cache.fetch_programs, staged=from_stage))
+    return (misses, staged), done
+
+
+def speculate_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> None:
+    """Speculative value prefetch for `layer`, while the layer before it decodes: select with a speculative query q
+    (B, Hq, d), and fetch the selected chunks that are not resident into the staging area (slots.stage_v, this
+    layer's half) on the value-fetch stream, after the misses already queued there. The layer's own selection then
+    copies the misses it finds staged (select_and_load)."""
+    selected = select(cache, layer, plan, q)
+    chunks, _, count = assign_slots(cache.slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected,
+                                    update=False)
+    plan.prefetched += count.sum()
+    plan.staged[layer] = (chunks, count)
+    on_stream(None if plan.streams is None else plan.streams[1],
+              lambda: fetch_values(cache.host.values[layer], plan.host_table, chunks, None, count, plan.slot_ids,
+                                   cache.slots.stage_v[:, layer % 2], cache.config.chunk_size,
+                                   host_scales=cache.host.scales_of(layer), max_programs=cache.fetch_programs))
+
+
+def on_stream(stream: torch.cuda.Stream | None, work) -> torch.cuda.Event | None:
+    """work() on `stream`, after what the current stream has queued -> an event recorded after it (the current stream
+    waits on it before it reads the results: no host sync). Without a stream (CPU): work() now, and no event."""
+    if stream is None:
+        work()
+        return None
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        work()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def on_two_streams(streams: tuple | None, first, second) -> list:
-    """first() on streams[0] and second() on streams[1], both after what the current stream has queued.
-    -> one event per stream, recorded after its work: the current stream waits on them before it reads the results
-    (no host sync). Without streams (CPU), one after the other, and no events."""
+    """first() on streams[0] and second() on streams[1] (see on_stream) -> their events; without streams (CPU), one
+    after the other, and no events."""
     if streams is None:
         first()
         second()
         return []
-    main = torch.cuda.current_stream()
-    done = []
-    for stream, work in zip(streams, (first, second)):
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            work()
-            done.append(torch.cuda.Event())
-            done[-1].record(stream)
-    return done
+    return [on_stream(stream, work) for stream, work in zip(streams, (first, second))]
