@@ -12,9 +12,10 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
-Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8]_pipelined
-(Decoder.forward_halves), hf; each engine method with the suffix _eager runs without CUDA graphs, at the batches that
-compare with it (8 and its largest). --merge keeps the rows of an earlier file that this run does not redo.
+Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8][_prefetch][_pipelined]
+(_prefetch: speculative value prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf; each
+engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it (8 and its
+largest). --merge keeps the rows of an earlier file that this run does not redo.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.sequence import SequenceStatus
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 
-ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined")
+ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
+                  "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
+                  "shadowkv_fp8_prefetch_pipelined")
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
-           "peak_host_gib", "hit_rate", "x_floor"]
+           "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
 
 
 def geometry_config(name: str, max_len: int) -> dict:
@@ -58,9 +61,14 @@ def geometry_config(name: str, max_len: int) -> dict:
 # ---- engines --------------------------------------------------------------------------------------------------
 def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config."""
-    base = method.removesuffix("_eager").removesuffix("_pipelined")
+    base = method.removesuffix("_eager")
+    pipelined = base.endswith("_pipelined")
+    base = base.removesuffix("_pipelined")
+    prefetch = base.endswith("_prefetch")
+    base = base.removesuffix("_prefetch")
     shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}
-    pipelined = method.removesuffix("_eager").endswith("_pipelined")
+    if prefetch:
+        shadow = {k: dataclasses.replace(c, prefetch=True) for k, c in shadow.items() if c is not None}
     return shadow[base], {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                           "pipeline_min_batch": 2}
 
@@ -143,9 +151,9 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
     dense.lengths[dst] = dense.lengths[src]
 
 
-def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tuple[list[float], list[float]]:
-    """Step times (s) and hit rates of `steps` decode steps of the whole running batch, after `warmup` steps."""
-    times, hits = [], []
+def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tuple[list[float], list[dict]]:
+    """Step times (s) and engine stats of `steps` decode steps of the whole running batch, after `warmup` steps."""
+    times, stats = [], []
     for i in range(warmup + steps):
         sync(device)
         start = time.perf_counter()
@@ -153,8 +161,19 @@ def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tupl
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-            hits.append(engine.stats().get("hit_rate", 1.0))
-    return times, hits
+            stats.append(engine.stats())
+    return times, stats
+
+
+def fetch_figures(stats: list[dict]) -> dict:
+    """Where the misses' values came from over the timed steps: the share of miss bytes read from the host on the
+    step's critical path (1 without prefetch), and the prefetch's host bytes over the misses' (its cost)."""
+    fetched = sum(s.get("chunks_fetched", 0) for s in stats)
+    if not fetched:
+        return {}
+    staged = sum(s.get("chunks_from_prefetch", 0) for s in stats)
+    prefetched = sum(s.get("chunks_prefetched", 0) for s in stats)
+    return {"critical_fetch_fraction": 1 - staged / fetched, "prefetched_over_misses": prefetched / fetched}
 
 
 def random_prompt(vocab_size: int, context: int) -> list[int]:
@@ -191,13 +210,14 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
         for batch in batches:
             while len(engine.requests) < batch:
                 clone_request(engine, "r0", f"r{len(engine.requests)}")
-            times, hits = time_decode(engine, args.steps, args.warmup_steps, device)
-            hit = sum(hits) / len(hits) if cfg is not None else None
+            times, stats = time_decode(engine, args.steps, args.warmup_steps, device)
+            hit = sum(s.get("hit_rate", 1.0) for s in stats) / len(stats) if cfg is not None else None
             floor = (dense_floor_s(g, context, batch, run["copy_bps"]) if cfg is None else
                      shadowkv_floor_s(g, cfg, context, batch, hit, run["copy_bps"], run["h2d_bps"]))
             peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
             row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
             row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            row.update(fetch_figures(stats) if cfg is not None else {})
             if batch in profile_at:
                 row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
             rows.append(row)
@@ -272,6 +292,17 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
             if common := set(eager) & set(graphed):
                 b = max(common)
                 s[f"{method}_graph_speedup_at_{b}"] = graphed[b]["decode_tok_s"] / eager[b]["decode_tok_s"]
+        for method in ENGINE_METHODS:  # speculative prefetch against none, step time at each batch both ran
+            if "_prefetch" not in method:
+                continue
+            base = method.replace("_prefetch", "")
+            pairs = {}
+            for r in rows:
+                if (r["model"], r["context"]) == (model, context) and r["method"] in (method, base):
+                    pairs.setdefault(r["batch"], {})[r["method"]] = r["itl_p50_ms"]
+            for b, p in sorted(pairs.items()):
+                if len(p) == 2:
+                    s[f"{method}_step_reduction_at_{b}"] = 1 - p[method] / p[base]
         if sk and dense:
             s["shadowkv_over_dense"] = sk["decode_tok_s"] / dense["decode_tok_s"]
             s["prefill_overhead"] = sk["ttft_s"] / dense["ttft_s"] - 1

@@ -60,16 +60,19 @@ def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
     # a second run of other methods, merged: the first run's rows stay, with their command
     more = tp.main(["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "2", "--warmup-steps", "1",
                     "--profile-steps", "1", "--max-new-tokens", "24", "--max-batch", "3", "--merge",
-                    "--methods", "shadowkv_fp8", "shadowkv_eager", "--out", str(tmp_path / "t.json"),
+                    "--methods", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch", "--out", str(tmp_path / "t.json"),
                     "--kernels-json", str(kernels)])
     merged = json.loads((tmp_path / "t.json").read_text())
     methods = [r["method"] for r in merged["rows"]]
-    assert set(methods) == {"dense", "shadowkv", "hf", "shadowkv_fp8", "shadowkv_eager"}
+    assert set(methods) == {"dense", "shadowkv", "hf", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch"}
     assert all(r["command"] == saved["environment"]["command"] for r in merged["rows"] if "command" in r)
     assert len(methods) == len(out["rows"]) + len(more["rows"])
     assert {r["batch"] for r in more["rows"] if r["method"] == "shadowkv_eager"} == {3}
     summary = merged["summary"][0]
-    assert {"shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3"} <= set(summary)
+    assert {"shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3",
+            "shadowkv_prefetch_step_reduction_at_3"} <= set(summary)
+    # the reference path (CPU) does not speculate: every miss read on the critical path
+    assert all(r["critical_fetch_fraction"] == 1 for r in more["rows"] if r["method"] == "shadowkv_prefetch")
 
 
 def test_performance_model_at_122k():
