@@ -103,9 +103,10 @@ def run_scores(s, block_n=64):
                            s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
 
 
-def run_fetch(s, misses_per_program=4, max_programs=None):
+def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4):
     fetch_values(s["host"], s["host_table"], s["miss_chunks"], s["miss_slots"], s["num_miss"], s["slot_ids"],
-                 s["value_slots"], C, misses_per_program=misses_per_program, max_programs=max_programs)
+                 s["value_slots"], C, misses_per_program=misses_per_program, max_programs=max_programs,
+                 num_warps=num_warps)
 
 
 def run_rebuild(s, miss_block=16):
@@ -118,7 +119,7 @@ def fetch_and_rebuild(s, side_a, side_b, misses_per_program=4, max_programs=None
     fetch_beside(s, side_a, side_b, lambda: run_rebuild(s), misses_per_program, max_programs)
 
 
-def fetch_beside(s, side_a, side_b, other, misses_per_program=4, max_programs=None):
+def fetch_beside(s, side_a, side_b, other, misses_per_program=4, max_programs=None, num_warps=4):
     """Value fetch on stream A, other() on stream B, both joined back to the current stream by events."""
     main = torch.cuda.current_stream()
     side_a.wait_stream(main)
@@ -126,7 +127,7 @@ def fetch_beside(s, side_a, side_b, other, misses_per_program=4, max_programs=No
     with torch.cuda.stream(side_b):  # the short work first: fetch programs waiting on PCIe would hold the SMs
         other()
     with torch.cuda.stream(side_a):
-        run_fetch(s, misses_per_program, max_programs)
+        run_fetch(s, misses_per_program, max_programs, num_warps)
     main.wait_stream(side_a)
     main.wait_stream(side_b)
 
@@ -202,6 +203,49 @@ def bench_fetch_grid(s, d2d, h2d, misses_per_program):
                hbm_copy_overlap_pct=overlap_pct(fetch_ms, copy_ms, with_copy))
 
 
+def mlp_work(batch: int, ms: float, hidden: int = 4096, intermediate: int = 14336):
+    """Layers' MLPs at this batch (gate/up, SiLU, down: weight-read GEMMs), repeated to last about `ms`: the work a
+    value fetch overlaps in a pipelined decode step. -> (work, its time)."""
+    x = torch.randn(batch, hidden, device=DEV, dtype=DTYPE)
+    w_in = torch.randn(2 * intermediate, hidden, device=DEV, dtype=DTYPE) * 0.02
+    w_out = torch.randn(hidden, intermediate, device=DEV, dtype=DTYPE) * 0.02
+
+    def mlp():
+        gate, up = (x @ w_in.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w_out.T
+
+    reps = max(1, round(ms / bench(mlp)))
+
+    def work():
+        for _ in range(reps):
+            mlp()
+
+    return work, bench(work)
+
+
+def bench_fetch_shapes(s, h2d) -> str:
+    """The value fetch's program shape (misses per program, warps) and grid cap, alone and beside MLP GEMMs of about
+    its length on another stream: how few multiprocessors can still move the host-to-device bandwidth, and how much
+    the GEMMs are slowed while it does. -> the best "misses:programs:warps" (within 10 % of the best bandwidth, the
+    least time of both together)."""
+    value_bytes = s["misses"] * C * D * 2
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    work, work_ms = mlp_work(s["batch"], bench(lambda: run_fetch(s, 4, 66)))
+    rows = []
+    for mpp in (4, 8, 16, 32):
+        for warps in (4, 8):
+            for programs in (8, 16, 33, 66):
+                fetch_ms = bench(lambda: run_fetch(s, mpp, programs, warps))
+                both = bench(lambda: fetch_beside(s, *streams, work, mpp, programs, warps))
+                rows.append(record(f"fetch_values shape {mpp}x{warps}w/{programs}", fetch_ms, value_bytes, h2d,
+                                   batch=s["batch"], misses_per_program=mpp, num_warps=warps, max_programs=programs,
+                                   mlp_ms=work_ms, with_mlp_ms=both, mlp_overlap_pct=overlap_pct(fetch_ms, work_ms,
+                                                                                               both)))
+    fastest = max(r["gbps"] for r in rows)
+    best = min((r for r in rows if r["gbps"] >= 0.9 * fastest), key=lambda r: r["with_mlp_ms"])
+    return f"{best['misses_per_program']}:{best['max_programs']}:{best['num_warps']}"
+
+
 def bench_attention(s, d2d, context):
     B = s["batch"]
     keys = O * C + K * C + LOCAL * C + 512
@@ -256,11 +300,27 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
     parser.add_argument("--context", type=int, default=128 * 1024)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--fetch-shapes-only", default=None, metavar="PATH",
+                        help="only sweep the value fetch's shapes (all misses); write the best as misses:programs:warps "
+                             "to PATH (benchmarks/throughput.py --fetch-grid)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.time()
     d2d, h2d = ceilings()
     s = shadow_batch(args.batch, args.context, hit_rate=0.6)
+    if args.fetch_shapes_only:
+        s["num_miss"].fill_(K)
+        s["misses"] = s["batch"] * HKV * K
+        best = bench_fetch_shapes(s, h2d)
+        with open(args.fetch_shapes_only, "w") as f:
+            f.write(best + "\n")
+        print(best)
+    else:
+        run_all(s, d2d, h2d, args)
+    write_and_print(args, start)
+
+
+def run_all(s, d2d, h2d, args) -> None:
     bench_scores(s, d2d)
     mpp = bench_fetch_rebuild(s, d2d, h2d, tag=" (60% hits)")
     bench_fetch_grid(s, d2d, h2d, mpp)
@@ -271,6 +331,9 @@ def main() -> None:
     s["misses"] = s["batch"] * HKV * round(0.4 * K)
     bench_attention(s, d2d, args.context)
     bench_layer_path(s, d2d, h2d, hit_rate=0.6)
+
+
+def write_and_print(args, start: float) -> None:
     meta = dict(command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]), python=platform.python_version(), torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
                 batch=args.batch, context=args.context, dtype=str(DTYPE), seconds=time.time() - start,
@@ -290,6 +353,12 @@ def main() -> None:
         if "hbm_copy_overlap_pct" in r:
             print(f"{r['kernel']:<28}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}{r['with_rebuild_ms']:>9.4f}"
                   f"{r['rebuild_overlap_pct']:>9.0f}{r['with_hbm_copy_ms']:>10.4f}{r['hbm_copy_overlap_pct']:>9.0f}")
+    print(f"\n{'fetch shape (misses x warps / programs)':<40}{'fetch ms':>9}{'GB/s':>7}{'MLP ms':>8}{'both ms':>9}"
+          f"{'overlap%':>9}")
+    for r in ROWS:
+        if "mlp_overlap_pct" in r:
+            print(f"{r['kernel']:<40}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}{r['mlp_ms']:>8.4f}{r['with_mlp_ms']:>9.4f}"
+                  f"{r['mlp_overlap_pct']:>9.0f}")
 
 
 if __name__ == "__main__":

@@ -200,6 +200,9 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
     g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
     cfg, options = method_setup(method, run["shadowkv"])
     engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
+    if args.fetch_grid and isinstance(engine.cache, ShadowKVCache):
+        cache = engine.cache
+        cache.fetch_misses_per_program, cache.fetch_programs, cache.fetch_warps = map(int, args.fetch_grid.split(":"))
     try:
         warm_up(engine, context)
         if device == "cuda":
@@ -217,6 +220,9 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
             peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
             row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
             row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            if isinstance(engine.cache, ShadowKVCache):
+                c = engine.cache
+                row["fetch_grid"] = f"{c.fetch_misses_per_program}:{c.fetch_programs}:{c.fetch_warps}"
             row.update(fetch_figures(stats) if cfg is not None else {})
             if batch in profile_at:
                 row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
@@ -413,6 +419,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the decode_step row (ShadowKV, 122K, batch 8) is merged")
     parser.add_argument("--replot", default=None, help="only redraw the PNG from this JSON")
     parser.add_argument("--merge", action="store_true", help="keep the rows of the existing --out this run does not redo")
+    parser.add_argument("--fetch-grid", default=None, metavar="MISSES:PROGRAMS:WARPS",
+                        help="the value fetch's shape instead of the cache's default (benchmarks/kernels.py "
+                             "--fetch-shapes-only finds one)")
     return parser.parse_args(argv)
 
 

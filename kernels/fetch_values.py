@@ -82,7 +82,8 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
                  miss_slots: torch.Tensor | None, num_miss: torch.Tensor, slot_ids: torch.Tensor,
                  value_slots: torch.Tensor, chunk_size: int, misses_per_program: int = 4,
                  host_scales: torch.Tensor | None = None, max_programs: int | None = None,
-                 staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 num_warps: int = 4) -> None:
     """max_programs caps the grid (programs then loop over the work): fewer multiprocessors wait on PCIe, the others
     stay free for work on other streams. None: one program per (sequence, KV head, block of misses)."""
     P, page_tokens, Hkv, d = host_values.shape
@@ -130,4 +131,4 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
         value_slots.stride(0), value_slots.stride(1), stage_values.stride(0), stage_values.stride(1),
         NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
         MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, IN_ORDER=in_order, STAGED=staged is not None,
-        K_PAD=triton.next_power_of_2(K), num_warps=4)
+        K_PAD=triton.next_power_of_2(K), num_warps=num_warps)

@@ -79,6 +79,7 @@ class ShadowKVCache(KVCache):
         # H200: 85 % of the rebuild hidden with 66 programs, none with the full grid).
         self.fetch_programs = torch.cuda.get_device_properties(self.device).multi_processor_count // 2 \
             if self.device.type == "cuda" else None
+        self.fetch_misses_per_program, self.fetch_warps = 4, 4  # chunks each program moves at a time; its warps
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
         self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)

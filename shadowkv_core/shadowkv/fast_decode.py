@@ -172,9 +172,7 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     done = on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
-                   lambda: fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids,
-                                        slots.sparse_v[:, layer], C, host_scales=cache.host.scales_of(layer),
-                                        max_programs=cache.fetch_programs, staged=from_stage))
+                   lambda: fetch_into(cache, layer, plan, misses, slots.sparse_v[:, layer], from_stage))
     return (misses, staged), done
 
 
@@ -189,9 +187,14 @@ def speculate_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
     plan.prefetched += count.sum()
     plan.staged[layer] = (chunks, count)
     on_stream(None if plan.streams is None else plan.streams[1],
-              lambda: fetch_values(cache.host.values[layer], plan.host_table, chunks, None, count, plan.slot_ids,
-                                   cache.slots.stage_v[:, layer % 2], cache.config.chunk_size,
-                                   host_scales=cache.host.scales_of(layer), max_programs=cache.fetch_programs))
+              lambda: fetch_into(cache, layer, plan, (chunks, None, count), cache.slots.stage_v[:, layer % 2]))
+
+
+def fetch_into(cache, layer: int, plan: DecodePlan, misses: tuple, dest: torch.Tensor, staged: tuple | None = None):
+    """fetch_values of a layer's miss lists (chunks, slots or None, count) into dest, with the cache's grid."""
+    fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids, dest, cache.config.chunk_size,
+                 misses_per_program=cache.fetch_misses_per_program, host_scales=cache.host.scales_of(layer),
+                 max_programs=cache.fetch_programs, staged=staged, num_warps=cache.fetch_warps)
 
 
 def on_stream(stream: torch.cuda.Stream | None, work) -> torch.cuda.Event | None:
