@@ -347,18 +347,18 @@ def write_and_print(args, start: float) -> None:
         eager = f"{r['eager_ms']:.4f}" if "eager_ms" in r else "-"
         print(f"{r['kernel']:<52}{r['time_ms']:>8.4f}{eager:>8}{r['bytes'] / 1e6:>9.1f}{r['gbps']:>8.1f}"
               f"{r['ceiling_gbps']:>8.1f}{pct:>5}")
-    print(f"\n{'capped fetch grid':<28}{'fetch ms':>9}{'GB/s':>7}{'+rebuild':>9}{'overlap%':>9}{'+HBM copy':>10}"
-          f"{'overlap%':>9}")
+    overlap_table("capped fetch grid", "hbm_copy_overlap_pct", [("+rebuild", "with_rebuild_ms"),
+                  ("overlap%", "rebuild_overlap_pct"), ("+HBM copy", "with_hbm_copy_ms"), ("overlap%", "hbm_copy_overlap_pct")])
+    overlap_table("fetch shape (misses x warps / programs)", "mlp_overlap_pct", [("MLP ms", "mlp_ms"),
+                  ("both ms", "with_mlp_ms"), ("overlap%", "mlp_overlap_pct")])
+
+
+def overlap_table(title: str, marker: str, columns: list[tuple[str, str]]) -> None:
+    """The rows that have `marker`: kernel, fetch ms, GB/s, then `columns` (header, key)."""
+    print(f"\n{title:<40}{'fetch ms':>9}{'GB/s':>7}" + "".join(f"{h:>10}" for h, _ in columns))
     for r in ROWS:
-        if "hbm_copy_overlap_pct" in r:
-            print(f"{r['kernel']:<28}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}{r['with_rebuild_ms']:>9.4f}"
-                  f"{r['rebuild_overlap_pct']:>9.0f}{r['with_hbm_copy_ms']:>10.4f}{r['hbm_copy_overlap_pct']:>9.0f}")
-    print(f"\n{'fetch shape (misses x warps / programs)':<40}{'fetch ms':>9}{'GB/s':>7}{'MLP ms':>8}{'both ms':>9}"
-          f"{'overlap%':>9}")
-    for r in ROWS:
-        if "mlp_overlap_pct" in r:
-            print(f"{r['kernel']:<40}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}{r['mlp_ms']:>8.4f}{r['with_mlp_ms']:>9.4f}"
-                  f"{r['mlp_overlap_pct']:>9.0f}")
+        if marker in r:
+            print(f"{r['kernel']:<40}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}" + "".join(f"{r[k]:>10.4g}" for _, k in columns))
 
 
 if __name__ == "__main__":

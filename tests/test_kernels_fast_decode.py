@@ -48,18 +48,24 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device, speculation_n
     return outs, plan, first_misses
 
 
-@pytest.mark.parametrize("value_format", ["model", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.float32])
-def test_fast_decode_equals_reference(dtype, value_format, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
+def _prefilled(dtype, device, prompt_lens, steps, seed, **config):
+    """Two caches (reference, fast) of a small sparse config holding the same prefill of `prompt_lens`."""
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
-                            min_context=0, decode_window=8, page_chunks=4, value_format=value_format)
+                            min_context=0, decode_window=8, page_chunks=4, **config)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
     caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
     for cache in caches:
         for i, n in enumerate(prompt_lens):
             cache.allocate(i, n, steps + 1)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
+    return caches, rotary
+
+
+@pytest.mark.parametrize("value_format", ["model", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_fast_decode_equals_reference(dtype, value_format, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
+    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, value_format=value_format)
     for step in range(steps):
         ctx = [n + step for n in prompt_lens]
         for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)[0]):
@@ -74,15 +80,7 @@ def test_speculative_prefetch_only_moves_work(value_format, dtype=torch.float32,
                                               prompt_lens=(150, 61, 97), steps=6):
     """With a prefetch of each next layer (a noisy guess of its query): the same outputs and resident chunks as the
     reference, part of the misses copied from the staging area; with an exact guess, every miss after layer 0."""
-    config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
-                            min_context=0, decode_window=8, page_chunks=4, value_format=value_format, prefetch=True)
-    rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
-    caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
-    for cache in caches:
-        for i, n in enumerate(prompt_lens):
-            cache.allocate(i, n, steps + 1)
-    torch.manual_seed(1)
-    _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
+    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 1, value_format=value_format, prefetch=True)
     staged = {}
     for step in range(steps):
         ctx = [n + step for n in prompt_lens]
