@@ -53,11 +53,15 @@ def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_
                 slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
             slot = tl.load(slot_ptr + b).to(tl.int64)
             from_host = r_mask
-            if STAGED:  # where each row's chunk sits in the prefetch's staging area, -1 if it was not prefetched
+            if STAGED:  # where each miss sits in the prefetch's staging area, -1 if it was not prefetched
                 offs_k = tl.arange(0, K_PAD)
                 staged = tl.load(stage_chunks_ptr + b * stride_mb + h * stride_mh + offs_k,
                                  mask=offs_k < tl.load(stage_count_ptr + b * stride_nb + h), other=-1)
-                at = tl.max(tl.where(chunk[:, None] == staged[None, :], offs_k[None, :], -1), 1)  # (ROWS,)
+                misses = blk * MISSES_PER_PROGRAM + tl.arange(0, MISSES_PER_PROGRAM)
+                m_chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + misses, mask=misses < num_miss,
+                                  other=-2)
+                at = tl.max(tl.where(m_chunk[:, None] == staged[None, :], offs_k[None, :], -1), 1)
+                at = tl.reshape(tl.broadcast_to(at[:, None], (MISSES_PER_PROGRAM, CHUNK)), (ROWS,))  # per token row
                 from_stage = r_mask & (at >= 0)
                 from_host = r_mask & (at < 0)
                 src_stage = slot * stride_gn + h * stride_gh + (at * CHUNK + offs_r % CHUNK) * HEAD_DIM

@@ -64,7 +64,7 @@ def test_fetch_values_fp8_llama():
            "cuda", fp8=True, max_programs=32)
 
 
-def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False):
+def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, misses_per_program=4):
     """A prefetch (miss_slots None: the j-th chunk to staging slot j) of random lists, then a fetch whose misses are
     partly among them: equal to the reference fetch from the host, with the staged misses read from the staging
     area (their host rows are poisoned after the prefetch) and counted."""
@@ -110,20 +110,22 @@ def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, 
     got[expected != value_slots] = float("nan")
     hits = torch.zeros(1, dtype=torch.int32, device=device)
     fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales,
-                 staged=(stage_chunks, stage_count, stage, hits), max_programs=3)
+                 staged=(stage_chunks, stage_count, stage, hits), max_programs=3,
+                 misses_per_program=misses_per_program)
     assert_close(got, expected, dtype, "value slots", tol=(0, 0))
     assert int(hits) == expected_hits > 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fetch_values_copies_the_misses_a_prefetch_staged(dtype, fp8):
-    _check_staged([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=6, fp8=fp8)
+@pytest.mark.parametrize("dtype,misses_per_program", [(torch.float32, 4), (torch.float16, 4), (torch.float16, 8)])
+def test_fetch_values_copies_the_misses_a_prefetch_staged(dtype, misses_per_program, fp8):
+    _check_staged([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=6, fp8=fp8, misses_per_program=misses_per_program)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fetch_values_staged_llama(fp8):
+@pytest.mark.parametrize("misses_per_program", [4, 32])
+def test_fetch_values_staged_llama(fp8, misses_per_program):
     C = LLAMA["chunk_size"]
     _check_staged(ragged_lengths(32 * 1024 // C, 4, seed=7), LLAMA["num_kv_heads"], LLAMA["head_dim"],
-                  LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", fp8=fp8)
+                  LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", fp8=fp8, misses_per_program=misses_per_program)

@@ -74,12 +74,12 @@ class ShadowKVCache(KVCache):
         self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else None
-        # The value fetch's grid is capped at half the multiprocessors: it still moves ~91 % of the host-to-device
-        # bandwidth, and leaves the other half to the key rebuild on the other stream (benchmarks/kernels.py on an
-        # H200: 85 % of the rebuild hidden with 66 programs, none with the full grid).
-        self.fetch_programs = torch.cuda.get_device_properties(self.device).multi_processor_count // 2 \
-            if self.device.type == "cuda" else None
-        self.fetch_misses_per_program, self.fetch_warps = 4, 4  # chunks each program moves at a time; its warps
+        # The value fetch runs as 8 persistent programs of 32 missed chunks at a time: with that much in flight each,
+        # 8 multiprocessors move the full host-to-device bandwidth (H200: 50.9 GB/s, as 66 programs of 4 misses did),
+        # and the others stay free for the work beside it (the key rebuild; in pipelined halves the other half's
+        # layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only; docs/benchmarks.md.
+        self.fetch_programs = 8 if self.device.type == "cuda" else None
+        self.fetch_misses_per_program, self.fetch_warps = 32, 4  # chunks each program moves at a time; its warps
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
         self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)
