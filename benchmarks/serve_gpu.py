@@ -12,7 +12,8 @@ alone (its traceback recorded):
                 It runs while Serve starts the first replica on the other GPU.
   service       the same prompts, streamed through HTTP, the ingress and the replica, after a warm-up batch.
   timeline      sampled from the start of: an overload burst (slots + waiting line + `burst_extra` long requests at
-                once: 429s, their Retry-After and latency, every admitted one completed, the engines drained to zero),
+                once, each over its own connection: per request its status, latency, Retry-After and whether the
+                proxy's edge shedding answered it; every admitted one completed, the engines drained to zero),
                 then a bounded load of `load.users` clients, then the tail until the replicas are back to one.
     PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, under 7 minutes
     PYTHONPATH=$PWD python -m benchmarks.serve_gpu --cpu --out DIR    # the same on CPU with the tiny geometry
@@ -40,12 +41,12 @@ import yaml
 
 from benchmarks.autoscale_timeline import TimelineConfig, plot, sample, summary
 from benchmarks.autoscale_timeline import run as run_timeline
-from benchmarks.load import percentile
+from benchmarks.edge_shedding import burst_summary, send_at_once
 from benchmarks.local_service import ray_session, serve_on_loopback
 from benchmarks.memory_model import LLAMA_31_8B, TINY, TINY_SHADOWKV, write_config
 from benchmarks.report import print_table
 from serve_app.app import AppArgs, engine_config, resolve_model
-from serve_app.edge import EDGE_ENV
+from serve_app.edge import EDGE_ENV, SHED_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "shadowkv"
@@ -197,53 +198,36 @@ def summarize_streams(streams: list[dict]) -> dict:
 
 # ---- overload -----------------------------------------------------------------------------------------------
 async def overload_burst(url: str, body: dict, n: int, excess: int, max_wait_s: float, timeout_s: float) -> dict:
-    """`n` requests at once over connections opened beforehand; what each got back and how fast. Once `excess` of
-    them were refused (the waiting line is full, the slots taken), PROBES more, one after another: how fast a
-    request beyond capacity is refused when no burst is queued in front of it."""
-    content, headers = json.dumps(body).encode(), {"content-type": "application/json"}
+    """`n` requests at once, each over its own connection opened beforehand (benchmarks.edge_shedding.send_at_once:
+    through one shared httpx client the last ones sent would wait seconds for the client's pool); per request what
+    it got back, how fast and whether the proxy's edge shedding answered it. Once `excess` of them were refused (the
+    waiting line is full, the slots taken), PROBES more, one after another: how fast a request beyond capacity is
+    refused when no burst is queued in front of it."""
+    content = json.dumps(body).encode()
     refused = asyncio.Event()
-    replies: list[tuple[int, float, str | None, int | None]] = []
+    count = [0]
 
-    async def timed() -> tuple[int, float, str | None, int | None]:
-        sent = time.monotonic()
-        r = await http.post("/v1/completions", content=content, headers=headers)
-        tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
-        return r.status_code, time.monotonic() - sent, r.headers.get("Retry-After"), tokens
-
-    async def burst_one() -> None:
-        replies.append(await timed())
-        if sum(status == 429 for status, *_ in replies) >= excess:
+    def on_reply(reply: dict) -> None:
+        count[0] += reply["status"] == 429
+        if count[0] >= excess:
             refused.set()
 
-    async def probes() -> list[tuple[int, float, str | None, int | None]]:
+    async def probes() -> list[dict]:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(refused.wait(), max_wait_s)
-        return [await timed() for _ in range(PROBES)]
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10)) as http:
+            await http.get("/health")
+            out = []
+            for _ in range(PROBES):
+                sent = time.monotonic()
+                r = await http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+                out.append({"status": r.status_code, "ms": round(1000 * (time.monotonic() - sent), 1),
+                            "retry_after": r.headers.get("Retry-After"), "edge": r.headers.get(SHED_HEADER) == "edge"})
+            return out
 
-    limits = httpx.Limits(max_connections=n + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10), limits=limits) as http:
-        await asyncio.gather(*(http.get("/health") for _ in range(n + 1)))
-        probed, *_ = await asyncio.gather(probes(), *(burst_one() for _ in range(n)))
-    return {**burst_summary(replies, max_wait_s, body["max_tokens"]),
-            "probes": [{"status": status, "ms": round(1000 * dt, 1), "retry_after": retry}
-                       for status, dt, retry, _ in probed]}
-
-
-def burst_summary(replies: list[tuple[int, float, str | None, int | None]], max_wait_s: float, max_tokens: int) -> dict:
-    refused = [(dt, retry) for status, dt, retry, _ in replies if status == 429]
-    at_once = [dt for dt, _ in refused if dt < max_wait_s]
-    after_wait = [dt for dt, _ in refused if dt >= max_wait_s]
-    admitted = [(dt, tokens) for status, dt, _, tokens in replies if status == 200]
-    return {"requests": len(replies), "admitted": len(admitted),
-            "admitted_completed": sum(tokens == max_tokens for _, tokens in admitted),
-            "refused_at_once": len(at_once), "refused_after_bounded_wait": len(after_wait),
-            "other_statuses": sorted(status for status, *_ in replies if status not in (200, 429)),
-            "retry_after_on_every_429": all(retry for _, retry in refused),
-            "refused_at_once_ms": {"p50": percentile(at_once, 0.5), "p99": percentile(at_once, 0.99),
-                                   "max": percentile(at_once, 1.0)},
-            "refused_after_wait_ms_p50": percentile(after_wait, 0.5),
-            "admitted_s": [round(min(dt for dt, _ in admitted), 1), round(max(dt for dt, _ in admitted), 1)]
-            if admitted else None}
+    probed, replies = await asyncio.gather(probes(), send_at_once(url, content, n, timeout_s, on_reply=on_reply))
+    return {**burst_summary(replies, max_wait_s, body["max_tokens"]), "probes": probed,
+            "replies": [{**r, "s": round(r["s"], 4), "sent_s": round(r["sent_s"], 4)} for r in replies]}
 
 
 async def wait_drained(url: str, within_s: float) -> dict:
@@ -374,6 +358,8 @@ def table(record: dict) -> list[dict]:
          "service": served.get("decode_tokens_per_s")},
         {"what": "service cost, decode", "service": None if cost is None else f"{100 * cost:.1f} %",
          "target": "< 10 %"},
+        {"what": "429 by the edge p50/p99/max (ms)",
+         "service": f"{burst.get('refused_by_edge')}: {burst.get('edge_429_ms')}", "target": "< 100"},
         {"what": "429 at once p50/max (ms)", "service": f"{burst.get('refused_at_once_ms')}", "target": "< 100"},
         {"what": "429 after bounded wait", "service": burst.get("refused_after_bounded_wait")},
         {"what": "429 probes, line full (ms)", "service": [p["ms"] for p in burst.get("probes", [])],

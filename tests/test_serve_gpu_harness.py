@@ -38,14 +38,20 @@ def test_streams_give_ttft_and_the_rate_while_every_request_decodes():
     assert s["output_tokens"] == 8 and s["output_tokens_per_s"] == 1.6
 
 
-def test_burst_summary_tells_refusals_at_once_from_refusals_after_the_wait():
-    replies = [(200, 30.0, None, 16), (200, 31.0, None, 16), (429, 0.05, "1", None), (429, 0.09, "1", None),
-               (429, 2.1, "1", None), (503, 0.1, None, None)]
+def test_burst_summary_tells_edge_refusals_from_the_ingress_ones_at_once_or_after_the_wait():
+    def reply(status, s, edge=False, retry="1", tokens=None):
+        return {"status": status, "s": s, "sent_s": 0.001, "edge": edge, "retry_after": retry,
+                "completion_tokens": tokens}
+    replies = [reply(200, 30.0, retry=None, tokens=16), reply(200, 31.0, retry=None, tokens=16),
+               reply(429, 0.05, edge=True), reply(429, 0.09, edge=True), reply(429, 0.07), reply(429, 2.1),
+               reply(503, 0.1, retry=None)]
     s = burst_summary(replies, max_wait_s=2.0, max_tokens=16)
     assert (s["admitted"], s["admitted_completed"]) == (2, 2)
-    assert (s["refused_at_once"], s["refused_after_bounded_wait"], s["other_statuses"]) == (2, 1, [503])
+    assert (s["refused_by_edge"], s["refused_by_ingress_at_once"], s["refused_after_bounded_wait"]) == (2, 1, 1)
+    assert s["edge_429_ms"] == {"p50": 90.0, "p99": 90.0, "max": 90.0}
+    assert (s["refused_at_once"], s["other_statuses"]) == (3, [503])
     assert s["refused_at_once_ms"]["max"] == 90.0 and s["retry_after_on_every_429"]
-    assert s["admitted_s"] == [30.0, 31.0]
+    assert s["admitted_s"] == [30.0, 31.0] and s["send_spread_ms"] == 1.0
 
 
 def test_timeline_reads_requests_per_replica_and_keeps_the_most_each_reported():
