@@ -95,9 +95,11 @@ class EngineConfig:
         reference.
     pipeline_decode: decode a batch of `pipeline_min_batch` or more in halves pipelined layer by layer
         (Decoder.forward_halves), so that one half's host value fetch runs under the other half's compute; ShadowKV
-        only. It reads the weights twice per step: measured on an H200 at 122K (benchmarks/results/throughput.json,
-        CUDA graphs) it is slower up to batch 6, even at 8 and 16, faster at 13 (+17 %) and 26 (+13 %, fp8 values).
-        None: on CUDA only (elsewhere there are no side streams for a half's fetch to run on).
+        only. It reads the weights twice per step, so it pays once the fetch is long enough to hide: measured on an
+        H200 at 122K (benchmarks/results/throughput.json, CUDA graphs) even at batch 6, 9 % faster at 8 and 21 % at 13
+        with values in the model's dtype; with fp8 values (half the bytes) 26 % slower at 8, even at 16, 11 % faster
+        at 26. None: on CUDA only (elsewhere there are no side streams for a half's fetch to run on).
+    pipeline_min_batch: None picks those break-even points: 8, or 16 with fp8 values.
     cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
         the same tokens as eager, without the per-kernel launch cost.
     """
@@ -119,7 +121,7 @@ class EngineConfig:
     load_format: str = "auto"
     use_kernels: bool | None = None
     pipeline_decode: bool | None = None
-    pipeline_min_batch: int = 12
+    pipeline_min_batch: int | None = None
     cuda_graphs: bool = True
 
     def __post_init__(self):
@@ -137,7 +139,7 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"),
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.pipeline_min_batch >= 2,
+        _require(self.pipeline_min_batch is None or self.pipeline_min_batch >= 2,
                  f"pipeline_min_batch must be >= 2 (two halves), got {self.pipeline_min_batch}")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)

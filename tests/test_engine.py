@@ -250,6 +250,11 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
     # by default only CUDA pipelines (its side streams are what a half's fetch overlaps on)
     default = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse)
     assert default.engine.config.pipeline_decode is None and default.engine.runner.pipeline_min_batch == 0
+    # asked for, the smallest pipelined batch defaults to the measured break-even: twice as large with fp8 values
+    for value_format, min_batch in (("model", 8), ("fp8", 16)):
+        asked = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, pipeline_decode=True,
+                    shadowkv=ShadowKVConfig(**SPARSE, value_format=value_format))
+        assert asked.engine.runner.pipeline_min_batch == min_batch
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pipelined"])

@@ -31,8 +31,7 @@ class LLMEngine:
         self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
                                  self.model.rotary)
         self.runner = ModelRunner(self.model, self.cache, self.device,
-                                  pipeline_min_batch=config.pipeline_min_batch
-                                  if self._pipelines(config) else 0,
+                                  pipeline_min_batch=self._pipeline_min_batch(config),
                                   cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
         self.requests: dict[str, Sequence] = {}
@@ -40,10 +39,15 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
-    def _pipelines(self, config: EngineConfig) -> bool:
-        """Whether decode batches run in pipelined halves (EngineConfig.pipeline_decode; ShadowKV only)."""
+    def _pipeline_min_batch(self, config: EngineConfig) -> int:
+        """The smallest decode batch run in pipelined halves (EngineConfig.pipeline_decode, pipeline_min_batch;
+        ShadowKV only); 0: none."""
         wanted = self.device.type == "cuda" if config.pipeline_decode is None else config.pipeline_decode
-        return wanted and config.shadowkv is not None
+        if not wanted or config.shadowkv is None:
+            return 0
+        if config.pipeline_min_batch is not None:
+            return config.pipeline_min_batch
+        return 16 if config.shadowkv.value_format == "fp8" else 8
 
     # ---- requests in -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
