@@ -391,8 +391,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=None, help="default: the profile's")
     parser.add_argument("--phases", nargs="+", choices=["compare", "timeline"], default=["compare", "timeline"])
+    parser.add_argument("--tail-s", type=float, default=None,
+                        help="how long the timeline watches after its load (scale-down); default: the profile's")
     args = parser.parse_args()
     profile = CPU if args.cpu else GPU
+    if args.tail_s is not None:
+        profile = replace(profile, load=replace(profile.load, tail_s=args.tail_s))
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (args.budget_s or profile.budget_s)
     record = {"command": "python -m benchmarks.serve_gpu " + " ".join(sys.argv[1:]),
