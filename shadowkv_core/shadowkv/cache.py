@@ -266,9 +266,8 @@ class ShadowKVCache(KVCache):
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
-        fetched = int(sum(plan.misses for plan in self._plans))
-        prefetched = int(sum(plan.prefetched for plan in self._plans))
-        from_prefetch = int(sum(plan.staged_hits for plan in self._plans))
+        counts = torch.stack([torch.stack([p.misses, p.prefetched, p.staged_hits[0].long()]) for p in self._plans])
+        fetched, prefetched, from_prefetch = counts.sum(0).tolist()  # one read back for the step
         self.step = StepCounters(selected, selected - fetched, fetched,
                                  (fetched - from_prefetch + prefetched) * self.host.fetch_bytes(), prefetched,
                                  from_prefetch)
