@@ -120,6 +120,13 @@ class CapacityBoard:
         with self._lock:
             return [dict(rep.stats) for rep in self._replicas.values()]
 
+    def next_free_at(self) -> float | None:
+        """The earliest wall-clock time at which a request on any replica can end, as the replicas last bounded it
+        (LLMEngine.next_finish_s); None if some replica gave no bound."""
+        with self._lock:
+            bounds = [rep.stats.get("next_free_at") for rep in self._replicas.values()]
+        return None if not bounds or None in bounds else min(bounds)
+
     def has_free_slot(self) -> bool:
         with self._lock:
             return any(rep.room()[2] >= 1 for rep in self._replicas.values())
@@ -150,7 +157,8 @@ def board_for(app_name: str, deployment_name: str) -> CapacityBoard:
 
 class AdmissionGate:
     """Admit a request onto a replica with room for it, waiting at most `max_wait_s` and only while fewer than
-    `max_waiting` others wait; beyond that, refuse at once with 429 and a Retry-After."""
+    `max_waiting` others wait; beyond that, or when the replicas' bounds say no request can end within the wait,
+    refuse at once with 429 and a Retry-After."""
 
     def __init__(self, board: CapacityBoard, max_waiting: int, max_wait_s: float, poll_s: float = 0.02):
         self.board, self.max_waiting, self.max_wait_s, self.poll_s = board, max_waiting, max_wait_s, poll_s
@@ -176,6 +184,11 @@ class AdmissionGate:
             return replica
         if self.num_waiting >= self.max_waiting:
             raise over_capacity(self.max_wait_s)
+        free_at = self.board.next_free_at()
+        if free_at is not None and free_at - time.time() > self.max_wait_s:
+            # No request anywhere can end within the wait (every replica's slots are still in their prefills):
+            # waiting could only end in this same refusal. Retry-After: when the first one may end.
+            raise over_capacity(free_at - time.time())
         return await self._wait_for_room(request_id, gpu, host)
 
     async def _wait_for_room(self, request_id: str, gpu: int, host: int) -> str:

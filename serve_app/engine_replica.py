@@ -62,6 +62,7 @@ class StepResult:
     refused: list[tuple[str, int, str]]  # (request_id, HTTP status, message)
     stats: dict
     busy: bool
+    next_free_at: float | None = None  # wall-clock time before which no request of this replica can end (or None)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class EngineReplica:
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._stats = self.engine.stats()
+        self._next_free_at: float | None = None  # LLMEngine.next_finish_s after the last step, as a wall-clock time
         self._step_started: float | None = None
         self._loop_task: asyncio.Task | None = None
         self._malloc_trim = load_malloc_trim()
@@ -141,7 +143,8 @@ class EngineReplica:
                 "free_gpu_bytes": s["gpu_bytes_total"] - max(gpu_held, s["gpu_bytes_in_use"]),
                 "free_host_bytes": s["host_bytes_total"] - max(host_held, s["host_bytes_in_use"]),
                 "free_slots": self.max_num_seqs - len(self._held), "num_slots": self.max_num_seqs,
-                "request_ids": list(self._held), "num_requests": self._num_requests, **self._location}
+                "request_ids": list(self._held), "num_requests": self._num_requests,
+                "next_free_at": self._next_free_at, **self._location}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Predicted memory demand as a share of this replica's capacity (the larger of GPU, host and slots)."""
@@ -208,7 +211,8 @@ class EngineReplica:
             # (per thread: engine, torch, Ray), which keep what was freed; without this, idle RSS is whatever
             # the busiest recent step left, tens of MiB above the baseline and drifting up with the rare large mix.
             self._malloc_trim(0)
-        return StepResult(outputs, refused, self.engine.stats(), busy)
+        bound = self.engine.next_finish_s()
+        return StepResult(outputs, refused, self.engine.stats(), busy, None if bound is None else time.time() + bound)
 
     def _fail_all(self, adds, message: str) -> StepResult:
         request_ids = set(self._held) | {request_id for request_id, _, _ in adds}
@@ -218,6 +222,7 @@ class EngineReplica:
 
     def _dispatch(self, result: StepResult) -> None:
         self._stats = result.stats
+        self._next_free_at = result.next_free_at
         for request_id, status, message in result.refused:
             if request_id in self._held:
                 self._held[request_id].stream.fail(status, message)

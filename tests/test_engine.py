@@ -275,3 +275,26 @@ def test_speculative_prefetch_decodes_exactly_as_without(tiny_path, pipeline):
     used = sum(c["chunks_from_prefetch"] for c in prefetched)
     assert 0 < used <= sum(c["chunks_fetched"] for c in prefetched)
     assert used <= sum(c["chunks_prefetched"] for c in prefetched)
+
+
+def test_next_finish_bounds_when_a_request_can_end(tiny_path):
+    """LLMEngine.next_finish_s: None while idle or before any prefill was timed alone; during a prefill with nothing
+    decoding, the time its layers still need at the fastest timed prefill rate; 0 once a request decodes."""
+    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=16)
+    engine = llm.engine
+    first, second = prompts_of_lengths([200, 200], seed=29)
+    assert engine.next_finish_s() is None
+    engine.add_request("timed", first, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()  # one of the tiny model's two layers (16 tokens' worth of the budget buys one)
+    assert engine.next_finish_s() is None  # no prefill timed yet
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("bounded", second, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    half = engine.next_finish_s()
+    assert half is not None and half > 0  # the prefill's second layer is still to run
+    engine.step()  # the prefill ends; the request decodes
+    assert engine.next_finish_s() == 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.next_finish_s() is None and cache_is_empty(engine)

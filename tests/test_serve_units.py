@@ -280,3 +280,23 @@ def test_edge_shedder_refuses_beyond_the_advertised_capacity_without_forwarding(
         assert (await call("POST", "/v1/completions"))[0] == 200  # room again
 
     asyncio.run(scenario())
+
+
+def test_gate_refuses_at_once_when_no_request_can_end_within_the_wait():
+    """Replicas bound when their first request can end (LLMEngine.next_finish_s): past the wait, waiting could only
+    end in a refusal, so the gate refuses at once, with that time as Retry-After; within it, or unbounded, it waits."""
+    board = CapacityBoard()
+    gate = AdmissionGate(board, max_waiting=4, max_wait_s=1.0, poll_s=0.01)
+    board.update({"a": {**_report(GIB, slots=1), "next_free_at": time.time() + 30}})
+    assert asyncio.run(gate.admit("r1", 1, 0)) == "a"
+    start = time.monotonic()
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(gate.admit("r2", 1, 0))
+    assert exc.value.status == 429 and time.monotonic() - start < 0.05
+    assert 28 <= int(exc.value.headers["Retry-After"]) <= 30
+    for bound in (time.time() + 0.5, None):  # a request may end within the wait, or no bound: wait, then refuse
+        board.update({"a": {**_report(GIB, slots=0, ids=["r1"]), "next_free_at": bound}})
+        start = time.monotonic()
+        with pytest.raises(OpenAIError):
+            asyncio.run(gate.admit("r3", 1, 0))
+        assert time.monotonic() - start >= 1.0

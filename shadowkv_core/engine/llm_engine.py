@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -38,6 +39,9 @@ class LLMEngine:
         self.prefill_job: PrefillJob | None = None
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+        # Seconds per prompt token of the fastest recent prefill run with nothing decoding beside it (next_finish_s)
+        self._prefill_s_per_token: float | None = None
+        self._prefill_clock: tuple[float, bool] | None = None  # the job under way: (start, nothing decoded beside it)
 
     def _pipeline_min_batch(self, config: EngineConfig) -> int:
         """The smallest decode batch run in pipelined halves (EngineConfig.pipeline_decode, pipeline_min_batch;
@@ -109,13 +113,41 @@ class LLMEngine:
         outputs = []
         if scheduled.prefill:
             self.prefill_job = self.runner.start_prefill(scheduled.prefill)
+            self._prefill_clock = (time.monotonic(), True)
         if scheduled.decode:
             outputs += self._run(self.runner.decode, scheduled.decode)
+            if self._prefill_clock is not None:
+                self._prefill_clock = (self._prefill_clock[0], False)
         if self.prefill_job is not None:
             job = self.prefill_job
             num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)
             outputs += self._run(lambda seqs: self.runner.advance_prefill(job, num_layers), job.seqs)
+            if job.next_layer == self.runner.num_layers:
+                self._time_prefill(job.num_tokens)
         return outputs
+
+    def _time_prefill(self, num_tokens: int) -> None:
+        """A prefill job has run all its layers: if nothing decoded beside it, its time per token, when it is the
+        fastest yet (a rate later prefills are unlikely to beat: next_finish_s stays a lower bound)."""
+        start, alone = self._prefill_clock
+        self._prefill_clock = None
+        if alone:
+            s_per_token = (time.monotonic() - start) / num_tokens
+            last = self._prefill_s_per_token
+            self._prefill_s_per_token = s_per_token if last is None else min(s_per_token, last)
+
+    def next_finish_s(self) -> float | None:
+        """A lower bound on the seconds until one of this engine's requests can finish (and free its slot), or None
+        when there is nothing to bound. 0 while any request decodes: its next token may end it. Else the prefill
+        under way, whose requests finish first, at best: its layers still to run at the fastest measured prefill
+        rate (None before any prefill ran alone). An abort can always free a slot sooner."""
+        if any(seq.status is SequenceStatus.RUNNING for seq in self.requests.values()):
+            return 0.0
+        job = self.prefill_job
+        if job is None or self._prefill_s_per_token is None:
+            return None
+        left = job.num_tokens * (self.runner.num_layers - job.next_layer) / self.runner.num_layers
+        return left * self._prefill_s_per_token
 
     def _run(self, forward, seqs: list[Sequence]) -> list[RequestOutput]:
         """Run a forward over `seqs` and sample from its logits; a forward that returns None (a prefill with layers
