@@ -66,10 +66,11 @@ def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | Non
     base = base.removesuffix("_pipelined")
     prefetch = base.endswith("_prefetch")
     base = base.removesuffix("_prefetch")
-    shadow = {"dense": None, "hf": None, "shadowkv": cfg, "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}
+    shadow = {"dense": None, "hf": None, "shadowkv": cfg,
+              "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}[base]
     if prefetch:
-        shadow = {k: dataclasses.replace(c, prefetch=True) for k, c in shadow.items() if c is not None}
-    return shadow[base], {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
+        shadow = dataclasses.replace(shadow, prefetch=True)
+    return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                           "pipeline_min_batch": 2}
 
 

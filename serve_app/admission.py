@@ -185,10 +185,10 @@ class AdmissionGate:
         if self.num_waiting >= self.max_waiting:
             raise over_capacity(self.max_wait_s)
         free_at = self.board.next_free_at()
-        if free_at is not None and free_at - time.time() > self.max_wait_s:
+        if free_at is not None and (free_in := free_at - time.time()) > self.max_wait_s:
             # No request anywhere can end within the wait (every replica's slots are still in their prefills):
             # waiting could only end in this same refusal. Retry-After: when the first one may end.
-            raise over_capacity(free_at - time.time())
+            raise over_capacity(free_in)
         return await self._wait_for_room(request_id, gpu, host)
 
     async def _wait_for_room(self, request_id: str, gpu: int, host: int) -> str:
