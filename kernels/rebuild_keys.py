@@ -10,21 +10,15 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
   slot_ids     (B,) int32
   key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (stride over N free, rest contiguous)
-RoPE rotates channel pairs (i, i + ROTARY_DIM/2), or (2i, 2i+1) when INTERLEAVED, of the first ROTARY_DIM channels;
-the others pass. The product is split into the pairs' two halves (two dots) so the rotation needs no shuffle.
+RoPE rotates channel pairs (kernels.rope.rope_pairs): the product is split into the pairs' two halves (two dots) so
+the rotation needs no shuffle.
 One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows.
 """
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _reduce_angle(x):
-    """x - 2πk in [-π, π] (Cody-Waite, 2π split in two so k * hi is exact): tl.cos/tl.sin may lower to the
-    hardware's approximations, accurate only there; positions reach 1e5+ radians."""
-    k = tl.floor(x * 0.15915494309189535 + 0.5)
-    return (x - k * 6.28125) - k * 0.0019353071795864769
+from kernels.rope import reduce_angle, rope_pairs
 
 
 @triton.jit
@@ -41,7 +35,6 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
         return
     ROWS: tl.constexpr = MISS_BLOCK * CHUNK
     HALF: tl.constexpr = HEAD_DIM // 2
-    ROT_HALF: tl.constexpr = ROTARY_DIM // 2
     offs_m = tl.arange(0, ROWS)
     miss = pid * MISS_BLOCK + offs_m // CHUNK
     m_mask = miss < num_miss
@@ -50,16 +43,8 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
     token = chunk * CHUNK + offs_m % CHUNK  # (ROWS,) true positions
     page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=m_mask, other=0).to(tl.int64)
     u_rows = page * stride_up + (token % PAGE_TOKENS) * stride_ut
-    # Channel pair j: (first[j], second[j]); pairs past ROT_HALF are the channels RoPE leaves alone.
+    first, second, is_rot = rope_pairs(HEAD_DIM, ROTARY_DIM, INTERLEAVED)
     offs_j = tl.arange(0, HALF)
-    is_rot = offs_j < ROT_HALF
-    pass_j = ROTARY_DIM + offs_j - ROT_HALF
-    if INTERLEAVED:
-        first = tl.where(is_rot, 2 * offs_j, pass_j)
-        second = tl.where(is_rot, 2 * offs_j + 1, pass_j + (HEAD_DIM - ROTARY_DIM) // 2)
-    else:
-        first = tl.where(is_rot, offs_j, pass_j)
-        second = tl.where(is_rot, offs_j + ROT_HALF, pass_j + (HEAD_DIM - ROTARY_DIM) // 2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     sv_base = sv_ptr + slot * stride_svn + h * stride_svh
     acc1 = tl.zeros([ROWS, HALF], dtype=tl.float32)
@@ -76,7 +61,7 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
     # fp32 RoPE, as the reference: freqs = position * inv_freq; cos/sin scaled by the attention factor.
     inv_freq = tl.load(inv_freq_ptr + b * stride_ib + offs_j, mask=is_rot, other=0.0)
     freqs = token.to(tl.float32)[:, None] * inv_freq[None, :]  # (ROWS, HALF)
-    angle = _reduce_angle(freqs)
+    angle = reduce_angle(freqs)
     cos = tl.where(is_rot[None, :], tl.cos(angle) * attention_factor, 1.0)
     sin = tl.where(is_rot[None, :], tl.sin(angle) * attention_factor, 0.0)
     out1 = acc1 * cos - acc2 * sin

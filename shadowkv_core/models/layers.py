@@ -1,7 +1,8 @@
 """Decoder building blocks over flattened ragged tokens (T = all tokens of a forward, no batch dimension).
 
 Long prefills run their per-token work in chunks of `chunk_tokens` so that activations (the MLP's intermediate,
-RoPE's fp32 temporaries) stay bounded whatever the prompt length."""
+RoPE's fp32 temporaries) stay bounded whatever the prompt length. On CUDA the norms, SwiGLU's gate and RoPE run as
+fused Triton kernels (kernels/), each tested against the PyTorch code here."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,6 +10,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.rmsnorm import rms_norm
+from kernels.swiglu import silu_mul
 
 from ..attention import AttentionMetadata, KVCache
 from .rotary import RotaryEmbedding
@@ -29,6 +33,19 @@ def chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_t
     return out
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 statistics, weight applied after casting back: transformers' order, exact in every dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate of the fused gate/up output (T, 2I) -> (T, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -36,10 +53,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, weight applied after casting back: transformers' order, exact in every dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.is_cuda:
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual (T, dim) -> (norm(residual + x), residual + x), the sum in x's dtype."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self(total), total
 
 
 class MLP(nn.Module):
@@ -49,8 +72,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        return self.down_proj(silu_mul(gate_up) if gate_up.is_cuda else silu_mul_reference(gate_up))
 
 
 class Attention(nn.Module):
@@ -101,13 +124,15 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return self._query(q, positions, seq_lens), k, self.rotary.apply(k, positions, seq_lens), v
+        q_rot, k_rot = self.rotary.apply_pair(self._query_heads(q), k, positions, seq_lens)
+        return q_rot, k, k_rot, v
+
+    def _query_heads(self, q: torch.Tensor) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
+        return q if self.q_norm is None else self.q_norm(q)
 
     def _query(self, q: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return self.rotary.apply(q, positions, seq_lens)
+        return self.rotary.apply(self._query_heads(q), positions, seq_lens)
 
     def query(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
         """The query part of the projection alone: (t, Hq, d) post-RoPE."""
@@ -146,11 +171,17 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.end(handle, cache)
         if self.post_self_attn_layernorm is not None:
             attn = self.post_self_attn_layernorm(attn)
-        h = h + attn
-        return chunked(self._mlp_block, h, self.chunk_tokens)
+        if h.shape[0] <= self.chunk_tokens:  # one chunk (a decode step): the residual add fused into the norm
+            normed, h = self.post_attention_layernorm.add_and_norm(attn, h)
+            return self._mlp_out(h, normed)
+        return chunked(self._mlp_block, h + attn, self.chunk_tokens)
 
     def _mlp_block(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(self.post_attention_layernorm(h))
+        return self._mlp_out(h, self.post_attention_layernorm(h))
+
+    def _mlp_out(self, h: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """h + the MLP of h's norm."""
+        out = self.mlp(normed)
         if self.post_mlp_layernorm is not None:
             out = self.post_mlp_layernorm(out)
         return h + out

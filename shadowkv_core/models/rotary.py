@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+
+from kernels.rope import rope
 
 from .spec import ModelSpec
 
@@ -50,6 +53,15 @@ class RotaryEmbedding:
             x1, x2 = rot.chunk(2, dim=-1)
             rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return torch.cat((rotated.to(x.dtype), x[..., self.rotary_dim:]), dim=-1)
+
+    def apply_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(q), apply(k)) of a forward's queries and keys; on CUDA one fused kernel (kernels.rope)."""
+        d = q.shape[-1]
+        if not (q.is_cuda and d == triton.next_power_of_2(d)):
+            return self.apply(q, positions, seq_lens), self.apply(k, positions, seq_lens)
+        freqs = self.frequencies(positions, seq_lens).float()
+        return rope(q, k, positions, freqs.expand(positions.shape[0], -1), self.attention_factor, self.interleaved)
 
     def frequencies(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
         """(rotary_dim/2,) or, when it depends on the sequence length, (n, rotary_dim/2)."""
