@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import triton
 
+from kernels.append_token import append_token
 from kernels.assign_slots import assign_slots
 from kernels.decode_attention import decode_attention
 from kernels.fetch_values import fetch_values
@@ -121,8 +122,9 @@ def decode_layer_fast(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pr
 def begin_decode_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor,
                        k_rot: torch.Tensor, v: torch.Tensor) -> PendingLayer:
     """Append the new tokens, select, and queue the misses' rebuild and fetch; returns without waiting for them."""
-    slot = plan.slot_ids.long()
-    append_token(cache, layer, plan, slot, k_pre, k_rot, v)
+    slots = cache.slots
+    append_token(k_pre, k_rot, v, slots.sv[:, layer], plan.slot_ids, cache.gpu.u[layer], plan.token_page,
+                 plan.token_row, slots.window_k[:, layer], slots.window_v[:, layer], plan.window_pos)
     if plan.k_max == 0:
         return PendingLayer(layer, plan, q, [], None)
     misses, done = select_and_load(cache, layer, plan, q)
@@ -140,15 +142,6 @@ def end_decode_layer(cache, pending: PendingLayer) -> torch.Tensor:
     # The selected chunks occupy a prefix of the sparse slots: the budget per sequence never shrinks, and misses
     # fill the first free slots in order (reference.assign_slots).
     return decode_attention(pending.q, segments, plan.slot_ids, cache.scale, plan.max_len)
-
-
-def append_token(cache, layer, plan, slot, k_pre, k_rot, v) -> None:
-    """The new token, exact: its U row on the sequence's basis, and its key and value in the window."""
-    sv = cache.slots.sv[slot, layer]  # (B, Hkv, r, d)
-    u = torch.einsum("bhd,bhrd->br", k_pre.float(), sv.float())  # reference.project_keys, batched
-    cache.gpu.u[layer, plan.token_page, plan.token_row] = u.to(cache.gpu.u.dtype)
-    cache.slots.window_k[slot, layer, plan.window_pos] = k_rot
-    cache.slots.window_v[slot, layer, plan.window_pos] = v
 
 
 def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
