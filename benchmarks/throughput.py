@@ -286,6 +286,10 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
         if fastest and dense:
             s["best_shadowkv_method"] = fastest["method"]
             s["best_shadowkv_over_dense"] = fastest["decode_tok_s"] / dense["decode_tok_s"]
+        if fastest and hf:
+            s["best_shadowkv_over_hf"] = fastest["decode_tok_s"] / hf["decode_tok_s"]
+        if fastest:
+            s["best_shadowkv_over_infinite"] = fastest["decode_tok_s"] / s["infinite_memory_tok_s"]
         fp8 = best.get("shadowkv_fp8")
         if fp8 and dense:
             s["shadowkv_fp8_over_dense"] = fp8["decode_tok_s"] / dense["decode_tok_s"]
