@@ -98,9 +98,9 @@ def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
     return s
 
 
-def run_scores(s, **shape):
+def run_scores(s, block_n=64):
     return landmark_scores(s["q"], s["landmarks"], s["gpu_table"], s["num_chunks"], s["outlier_ids"], s["slot_ids"],
-                           s["num_outliers"], s["n"], D ** -0.5, **shape)
+                           s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
 
 
 def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4):
@@ -148,14 +148,9 @@ def run_attention(s):
 def bench_scores(s, d2d):
     B, n = s["batch"], s["n"]
     nbytes = B * n * HKV * D * 2 + B * HQ * n * 4 * 2 + B * HKV * n * 4  # landmarks; logits w+r; scores
-    shapes = [dict(block_n=bn, blocks_per_program=bpp, num_warps=w, num_stages=st)
-              for bn in (64, 128) for bpp in (1, 4, 8) for w in (4, 8) for st in (2, 4)]
-    times = [bench(lambda: run_scores(s, **shape)) for shape in shapes]
-    ms, shape = min(zip(times, shapes), key=lambda x: x[0])
-    default_ms = bench(lambda: run_scores(s))
-    record("landmark_scores", ms, nbytes, d2d, batch=B, context=n * C, **shape, default_shape_ms=default_ms,
-           eager_ms=bench_eager(lambda: run_scores(s, **shape)),
-           shapes=[dict(**sh, ms=t, gbps=nbytes / t / 1e6) for sh, t in zip(shapes, times)])
+    best = min((bench(lambda: run_scores(s, bn)), bn) for bn in (64, 128, 256))
+    record("landmark_scores", best[0], nbytes, d2d, batch=B, context=n * C, block_n=best[1],
+           eager_ms=bench_eager(lambda: run_scores(s, best[1])))
     scores = run_scores(s)
     record("topk (torch.topk)", bench(lambda: scores.topk(K, dim=-1)), scores.numel() * 4, d2d, batch=B,
            eager_ms=bench_eager(lambda: scores.topk(K, dim=-1)))

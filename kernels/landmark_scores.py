@@ -9,11 +9,9 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNK
   outlier_ids  (N, Hkv, O) int64               one layer of the slots' outlier chunk ids (stride over N free)
   slot_ids     (B,) int32                      slot of each sequence;  num_outliers (B,) int32 (<= O)
   scores       (B, Hkv, n_max) fp32 out        softmax prob, max over the group; -inf for outliers and padding
-Two launches: the first writes the logits (B, Hq, n_max) of BLOCKS_PER_PROGRAM blocks of BLOCK_N chunks per program
-(its loads software-pipelined over the blocks) and one softmax partial (max, sum of exp, online over its blocks) per
-query head; the second combines the partials and writes the scores. Chunks past a sequence's own are neither read
-nor written. A single pass would read the landmarks twice (softmax needs the global max before normalising, and the
-group max comes after normalising).
+Two launches: the first writes each block's logits (B, Hq, n_max) and its softmax partials (max, sum of exp) per
+query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
+landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
 """
 import torch
 import triton
@@ -26,68 +24,60 @@ from kernels import MIN_HEAD_DIM
 def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_ptr, num_outliers_ptr,
                    logits_ptr, part_m_ptr, part_l_ptr, scale,
                    stride_qb, stride_lmp, stride_lmc, stride_tb, stride_on, stride_oh, stride_lb, stride_pb,
-                   N_MAX: tl.constexpr, NUM_PARTS: tl.constexpr, GROUP: tl.constexpr,
+                   N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_CHUNKS: tl.constexpr,
-                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    part, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(num_chunks_ptr + b)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     heads = h * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV head
     g_mask = offs_g < GROUP
+    n_mask = offs_n < n
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_CHUNKS, mask=n_mask, other=0)
+    lm_rows = page.to(tl.int64) * stride_lmp + (offs_n % PAGE_CHUNKS) * stride_lmc + h * HEAD_DIM
+    lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    logits = tl.dot(q, tl.trans(lm), input_precision=DOT_PRECISION) * scale  # (GROUP_PAD, BLOCK_N) fp32
     # Outliers are attended exactly: excluded from the softmax. O is small, a compare against all of them is cheap.
     slot = tl.load(slot_ptr + b)
     offs_o = tl.arange(0, OUTLIERS_PAD)
     out_ids = tl.load(outlier_ptr + slot * stride_on + h * stride_oh + offs_o,
                       mask=offs_o < tl.load(num_outliers_ptr + b), other=-1)
+    excluded = tl.sum((offs_n[:, None] == out_ids[None, :]).to(tl.int32), 1) > 0
+    valid = n_mask & ~excluded
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m = tl.max(logits, 1)  # (GROUP_PAD,)
+    p = tl.where(valid[None, :], tl.exp(logits - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
+    l_sum = tl.sum(p, 1)
     rows = b * stride_lb + heads * N_MAX
-    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # this program's softmax partials, online over its blocks
-    l_run = tl.zeros([GROUP_PAD], tl.float32)
-    first = part * BLOCKS_PER_PROGRAM * BLOCK_N
-    # Blocks past the sequence's chunks are neither read nor written: the scores kernel masks them.
-    for start in range(first, tl.minimum(first + BLOCKS_PER_PROGRAM * BLOCK_N, n), BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n
-        page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_CHUNKS, mask=n_mask, other=0)
-        lm_rows = page.to(tl.int64) * stride_lmp + (offs_n % PAGE_CHUNKS) * stride_lmc + h * HEAD_DIM
-        lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        logits = tl.dot(q, tl.trans(lm), input_precision=DOT_PRECISION) * scale  # (GROUP_PAD, BLOCK_N) fp32
-        excluded = tl.sum((offs_n[:, None] == out_ids[None, :]).to(tl.int32), 1) > 0
-        valid = n_mask & ~excluded
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        tl.store(logits_ptr + rows[:, None] + offs_n[None, :], logits, mask=g_mask[:, None] & n_mask[None, :])
-        m_new = tl.maximum(m_run, tl.max(logits, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.where(valid[None, :], tl.exp(logits - m_safe[:, None]), 0.0)
-        l_run = l_run * tl.exp(m_run - m_safe) + tl.sum(p, 1)
-        m_run = m_new
-    parts = b * stride_pb + heads * NUM_PARTS + part
-    tl.store(part_m_ptr + parts, m_run, mask=g_mask)
-    tl.store(part_l_ptr + parts, l_run, mask=g_mask)
+    tl.store(logits_ptr + rows[:, None] + offs_n[None, :], logits, mask=g_mask[:, None] & (offs_n < N_MAX)[None, :])
+    part = b * stride_pb + heads * NUM_BLOCKS + blk
+    tl.store(part_m_ptr + part, m, mask=g_mask)
+    tl.store(part_l_ptr + part, l_sum, mask=g_mask)
 
 
 @triton.jit
-def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, num_chunks_ptr, scores_ptr, stride_lb, stride_pb, stride_sb,
-                   N_MAX: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, GROUP: tl.constexpr,
+def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, stride_lb, stride_pb, stride_sb,
+                   N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_k = tl.arange(0, PARTS_PAD)
+    offs_k = tl.arange(0, BLOCKS_PAD)
     offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     heads = h * GROUP + offs_g
     g_mask = offs_g < GROUP
-    part = b * stride_pb + heads[:, None] * NUM_PARTS + offs_k[None, :]
-    part_mask = g_mask[:, None] & (offs_k < NUM_PARTS)[None, :]
-    m = tl.load(part_m_ptr + part, mask=part_mask, other=float("-inf"))  # (GROUP_PAD, PARTS_PAD)
+    part = b * stride_pb + heads[:, None] * NUM_BLOCKS + offs_k[None, :]
+    part_mask = g_mask[:, None] & (offs_k < NUM_BLOCKS)[None, :]
+    m = tl.load(part_m_ptr + part, mask=part_mask, other=float("-inf"))  # (GROUP_PAD, BLOCKS_PAD)
     l_part = tl.load(part_l_ptr + part, mask=part_mask, other=0.0)
     m_max = tl.max(m, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a head with no valid chunk: every score -inf
     l_sum = tl.sum(l_part * tl.exp(m - m_safe[:, None]), 1)
     n_mask = offs_n < N_MAX
     logits = tl.load(logits_ptr + b * stride_lb + heads[:, None] * N_MAX + offs_n[None, :],
-                     mask=g_mask[:, None] & (offs_n < tl.load(num_chunks_ptr + b))[None, :], other=float("-inf"))
+                     mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
     p = tl.exp(logits - m_safe[:, None]) / l_sum[:, None]
     p = tl.where(logits == float("-inf"), float("-inf"), p)
     tl.store(scores_ptr + b * stride_sb + h * N_MAX + offs_n, tl.max(p, 0), mask=n_mask)
@@ -95,8 +85,7 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, num_chunks_ptr, scores_pt
 
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor,
                     outlier_ids: torch.Tensor, slot_ids: torch.Tensor, num_outliers: torch.Tensor, n_max: int,
-                    scale: float, block_n: int = 64, blocks_per_program: int = 4, num_warps: int = 4,
-                    num_stages: int = 3) -> torch.Tensor:
+                    scale: float, block_n: int = 128) -> torch.Tensor:
     """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size)."""
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
@@ -108,24 +97,23 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
     assert num_chunks.shape == slot_ids.shape == num_outliers.shape == (B,) and page_table.shape[0] == B
     assert outlier_ids.dtype == torch.int64 and outlier_ids.shape[1] == Hkv and outlier_ids.stride(2) == 1
     G = Hq // Hkv
-    num_parts = triton.cdiv(n_max, block_n * blocks_per_program)
+    num_blocks = triton.cdiv(n_max, block_n)
     logits = torch.empty(B, Hq, n_max, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(B, Hq, num_parts, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(B, Hq, num_blocks, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     scores = torch.empty(B, Hkv, n_max, dtype=torch.float32, device=q.device)
     group_pad = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows
-    _logits_kernel[(num_parts, Hkv, B)](
+    _logits_kernel[(num_blocks, Hkv, B)](
         q, landmarks, page_table, num_chunks, outlier_ids, slot_ids, num_outliers, logits, part_m, part_l, scale,
         q.stride(0), landmarks.stride(0), landmarks.stride(1), page_table.stride(0), outlier_ids.stride(0),
         outlier_ids.stride(1), logits.stride(0), part_m.stride(0),
-        N_MAX=n_max, NUM_PARTS=num_parts, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
+        N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
         PAGE_CHUNKS=page_chunks, OUTLIERS_PAD=max(16, triton.next_power_of_2(outlier_ids.shape[2])),
-        BLOCK_N=block_n, BLOCKS_PER_PROGRAM=blocks_per_program,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
-    # Wider blocks here: each program first combines the partials of all programs of its (sequence, KV head).
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    # Wider blocks here: each program first combines the partials of all blocks of its (sequence, KV head).
     score_block = min(1024, triton.next_power_of_2(n_max))
     _scores_kernel[(triton.cdiv(n_max, score_block), Hkv, B)](
-        logits, part_m, part_l, num_chunks, scores, logits.stride(0), part_m.stride(0), scores.stride(0),
-        N_MAX=n_max, NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts), GROUP=G,
+        logits, part_m, part_l, scores, logits.stride(0), part_m.stride(0), scores.stride(0),
+        N_MAX=n_max, NUM_BLOCKS=num_blocks, BLOCKS_PAD=triton.next_power_of_2(num_blocks), GROUP=G,
         GROUP_PAD=triton.next_power_of_2(G), BLOCK_N=score_block, num_warps=4)
     return scores

@@ -25,12 +25,12 @@ def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, se
             outlier_ids.to(device), slot_ids.to(device), num_outliers.to(device))
 
 
-def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0, **grid):
+def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0):
     args = _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed)
     n_max = max(num_chunks) + 3  # a bucket larger than the longest sequence
     scale = d ** -0.5
     expected = landmark_scores_batched(*args, n_max, scale)
-    got = landmark_scores(*args, n_max, scale, **grid)
+    got = landmark_scores(*args, n_max, scale)
     # fp32 softmax either way: only the order of the fp32 sums differs.
     assert_close(got, expected, dtype, "landmark scores", tol=(1e-6, 1e-4))
 
@@ -39,13 +39,6 @@ def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, see
 @pytest.mark.parametrize("num_chunks,Hq,Hkv", [([37, 5, 70], 8, 2), ([1, 19], 6, 3), ([64], 4, 4)])
 def test_landmark_scores_small(num_chunks, Hq, Hkv, dtype):
     _check(num_chunks, Hq, Hkv, 32, 6, 4, dtype, DEVICE)
-
-
-@pytest.mark.parametrize("block_n,blocks_per_program", [(16, 1), (16, 3)])
-def test_landmark_scores_partials_over_programs(block_n, blocks_per_program):
-    """Several programs per sequence, each combining several blocks online; some start past a short sequence."""
-    _check([37, 5, 70], 8, 2, 32, 6, 4, torch.float32, DEVICE, block_n=block_n,
-           blocks_per_program=blocks_per_program)
 
 
 @pytest.mark.gpu
