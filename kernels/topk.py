@@ -63,7 +63,7 @@ def _store_selected(keys, offs, n, k, lo, quota, gt_base, eq_base, out_row, INDE
     return gt_base + tl.sum(gt, 0), eq_base + tl.sum(eq, 0)
 
 
-@triton.jit(do_not_specialize=["n", "k"])  # n or k == 1 would become a constexpr: the loop carries n and k
+@triton.jit
 def _topk_kernel(scores_ptr, out_ptr, n, k, stride_s, stride_o, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                  K_PAD: tl.constexpr, INDEX_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -74,7 +74,7 @@ def _topk_kernel(scores_ptr, out_ptr, n, k, stride_s, stride_o, BLOCK: tl.conste
     # Invariant: c_lo = #(keys >= lo) >= k > c_hi = #(keys >= hi). int64 bounds: hi starts at 2^31.
     lo = tl.full([], INT32_MIN, tl.int64)
     hi = lo + 2 ** 32
-    c_lo = n
+    c_lo = tl.full([], 0, tl.int32) + n  # a tensor even where n == 1 is specialized to a constexpr
     c_hi = tl.full([], 0, tl.int32)
     while (hi - lo > 1) & (c_lo != k):
         mid = lo + ((hi - lo) >> 1)
