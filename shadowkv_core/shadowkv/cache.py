@@ -78,7 +78,10 @@ class ShadowKVCache(KVCache):
         # 8 multiprocessors move the full host-to-device bandwidth (H200: 50.9 GB/s, as 66 programs of 4 misses did),
         # and the others stay free for the work beside it (the key rebuild; in pipelined halves the other half's
         # layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only; docs/benchmarks.md.
-        self.fetch_programs = 8 if self.device.type == "cuda" else None
+        # fp8 rows carry half the bytes per miss, so twice the programs keep as much in flight (122K x 26, fp8,
+        # pipelined: fetch 41.5 -> 36.5 ms per step, step 60.0 -> 56.7 ms; benchmarks/results/fetch_grid/).
+        fp8 = config.value_format == "fp8"
+        self.fetch_programs = (16 if fp8 else 8) if self.device.type == "cuda" else None
         self.fetch_misses_per_program, self.fetch_warps = 32, 4  # chunks each program moves at a time; its warps
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
