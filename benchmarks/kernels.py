@@ -25,6 +25,7 @@ from kernels.decode_attention import decode_attention
 from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import rebuild_keys
+from kernels.topk import topk_indices
 
 HQ, HKV, D, RANK, C, K, O, LOCAL, LAYERS = 32, 8, 128, 160, 8, 256, 48, 4, 32  # Llama-3.1-8B, ShadowKV defaults
 PAGE_CHUNKS, DTYPE, DEV = 16, torch.bfloat16, "cuda"
@@ -154,6 +155,8 @@ def bench_scores(s, d2d):
     scores = run_scores(s)
     record("topk (torch.topk)", bench(lambda: scores.topk(K, dim=-1)), scores.numel() * 4, d2d, batch=B,
            eager_ms=bench_eager(lambda: scores.topk(K, dim=-1)))
+    record("topk (Triton, kernels/topk.py)", bench(lambda: topk_indices(scores, K)), scores.numel() * 4, d2d,
+           batch=B, eager_ms=bench_eager(lambda: topk_indices(scores, K)))
     selected = scores.topk(K, dim=-1).indices.contiguous()
     num_sel = torch.full((B,), K, dtype=torch.int32, device=DEV)
     ms = bench(lambda: assign_slots(s["resident"], s["slot_ids"], selected, num_sel))
@@ -280,7 +283,7 @@ def bench_layer_path(s, d2d, h2d, hit_rate):
     cap = torch.cuda.get_device_properties(DEV).multi_processor_count // 2  # as the engine's fast path
 
     def layer():
-        selected = run_scores(s).topk(K, dim=-1).indices
+        selected = topk_indices(run_scores(s), K)
         assign_slots(s["resident"], s["slot_ids"], selected, num_sel)  # the fixed miss lists are fetched below
         fetch_and_rebuild(s, *streams, max_programs=cap)
         return run_attention(s)

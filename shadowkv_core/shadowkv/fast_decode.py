@@ -22,6 +22,7 @@ from kernels.decode_attention import decode_attention
 from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import rebuild_keys
+from kernels.topk import topk_indices
 from shadowkv_core.shadowkv.slots import SequenceState
 
 
@@ -149,7 +150,7 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
     scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
                              cache.slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max,
                              cache.scale)
-    return scores.topk(plan.k_max, dim=-1).indices
+    return topk_indices(scores, plan.k_max)
 
 
 def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:
