@@ -26,15 +26,15 @@ def _stable_topk(scores, k):
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def _check(scores, k, exact_torch=True):
+def _check(scores, k):
     got = topk_indices(scores.to(DEVICE), k).cpu()
     expected = _stable_topk(scores, k)
     assert got.dtype == torch.int64 and got.shape == expected.shape, (got.dtype, got.shape, expected.shape)
     bad = (got != expected).nonzero()
     assert len(bad) == 0, f"{len(bad)} of {got.numel()} indices differ, first at {bad[:8].tolist()}"
-    if exact_torch:  # where scores differ, torch.topk (the reference) picks the same chunks in the same order
-        finite = torch.isfinite(torch.gather(scores, -1, expected))
-        assert torch.equal(got[finite], select_chunks(scores, k)[finite])
+    # torch.topk (the reference) picks scores of the same values in the same order; among equal scores (fp32 random
+    # rows of 16K hold a few) its order is unspecified, so the values are compared, not the indices.
+    assert torch.equal(scores.gather(-1, got), scores.gather(-1, select_chunks(scores, k)))
 
 
 @pytest.mark.parametrize("n,k", [(50, 7), (300, 256), (257, 100), (600, 33)])
@@ -55,7 +55,7 @@ def test_topk_ties_straddle_k(n, k):
     g = torch.Generator().manual_seed(k)
     scores = _scores([n, n // 2, n - 3], n, g, holes=0.1, ties=True)
     scores[0, :] = 0.25  # a whole row of one score: the first k indices
-    _check(scores, k, exact_torch=False)
+    _check(scores, k)
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (17, 1), (64, 64), (100, 100), (75, 13)])
@@ -72,7 +72,7 @@ def test_topk_signed_zeros_infinity_and_batch_dims():
     scores[0, 0, 1::3] = -0.0
     scores[1, 2, 7] = float("inf")
     scores[1, 1, 20:] = float("-inf")
-    _check(scores, 30, exact_torch=False)
+    _check(scores, 30)
 
 
 def test_topk_rows_longer_than_a_block(monkeypatch):
@@ -80,7 +80,7 @@ def test_topk_rows_longer_than_a_block(monkeypatch):
     monkeypatch.setattr(kernels.topk, "MAX_BLOCK", 64)
     g = torch.Generator().manual_seed(9)
     _check(_scores([300, 150, 20], 300, g, holes=0.1), 50)
-    _check(_scores([300, 299], 300, g, holes=0.1, ties=True), 70, exact_torch=False)
+    _check(_scores([300, 299], 300, g, holes=0.1, ties=True), 70)
 
 
 @pytest.mark.gpu
@@ -95,4 +95,4 @@ def test_topk_llama(context, batch):
     g = torch.Generator().manual_seed(batch)
     for ties in (False, True):
         scores = _scores(lengths, n_max, g, holes=LLAMA["outliers"] / n, ties=ties)
-        _check(scores.view(batch, LLAMA["num_kv_heads"], n_max), LLAMA["budget_chunks"], exact_torch=not ties)
+        _check(scores.view(batch, LLAMA["num_kv_heads"], n_max), LLAMA["budget_chunks"])
