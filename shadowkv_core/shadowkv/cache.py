@@ -80,12 +80,12 @@ class ShadowKVCache(KVCache):
         # layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only; docs/benchmarks.md.
         # fp8 rows carry half the bytes per miss, so twice the programs keep as much in flight (122K x 26, fp8,
         # pipelined: fetch 41.5 -> 36.5 ms per step, step 60.0 -> 56.7 ms; benchmarks/results/fetch_grid/).
-        fp8 = config.value_format == "fp8"
-        self.fetch_programs = (16 if fp8 else 8) if self.device.type == "cuda" else None
+        self.fetch_programs = (16 if config.value_format == "fp8" else 8) if self.device.type == "cuda" else None
         self.fetch_misses_per_program, self.fetch_warps = 32, 4  # chunks each program moves at a time; its warps
         if config.prefetch and self.device.type == "cuda":
             # With a prefetch each miss is first looked up in the staged list: few programs of many misses
-            # serialise that search (122K x 8: 284 ms a step with 8 x 32, 44 ms with 66 x 4).
+            # serialise that search (122K x 8: 284 ms a step with 8 x 32, 35.1 ms with 66 x 4;
+            # benchmarks/results/prefetch_grid_66x4.json).
             self.fetch_programs, self.fetch_misses_per_program = 66, 4
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
