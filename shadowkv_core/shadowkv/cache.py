@@ -85,7 +85,7 @@ class ShadowKVCache(KVCache):
         if config.prefetch and self.device.type == "cuda":
             # With a prefetch each miss is first looked up in the staged list: few programs of many misses
             # serialise that search (122K x 8: 284 ms a step with 8 x 32, 35.1 ms with 66 x 4;
-            # benchmarks/results/prefetch_grid_66x4.json).
+            # benchmarks/results/prefetch_grid_8x32.json and _66x4.json).
             self.fetch_programs, self.fetch_misses_per_program = 66, 4
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
