@@ -11,6 +11,7 @@ DESIGN.md performance model's floor for the same bytes (the model's weights and 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -110,9 +111,9 @@ def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4):
                  num_warps=num_warps)
 
 
-def run_rebuild(s, miss_block=16):
+def run_rebuild(s, **tile):
     rebuild_keys(s["u"], s["gpu_table"], s["sv"], s["inv_freq"], 1.0, False, s["miss_chunks"], s["miss_slots"],
-                 s["num_miss"], s["slot_ids"], s["key_slots"], C, miss_block=miss_block)
+                 s["num_miss"], s["slot_ids"], s["key_slots"], C, **tile)
 
 
 def fetch_and_rebuild(s, side_a, side_b, misses_per_program=4, max_programs=None):
@@ -164,16 +165,32 @@ def bench_scores(s, d2d):
            eager_ms=bench_eager(lambda: assign_slots(s["resident"], s["slot_ids"], selected, num_sel)))
 
 
+def rebuild_bytes(s) -> int:
+    return s["misses"] * C * (RANK + D) * 2 + s["batch"] * HKV * RANK * D * 2  # U rows, keys out; SV
+
+
+def bench_tiles(s, d2d) -> None:
+    """Every tile of the key rebuild (all misses), side by side at one batch."""
+    flops = 2 * s["misses"] * C * RANK * D
+    for mb, br, warps, stages in itertools.product((4, 8, 16, 32), (16, 32, 64), (4, 8), (2, 3)):
+        tile = dict(miss_block=mb, block_r=br, num_warps=warps, num_stages=stages)
+        ms = bench(lambda: run_rebuild(s, **tile))
+        record("rebuild_keys tile", ms, rebuild_bytes(s), d2d, batch=s["batch"], tile=tile,
+               tflops=flops / ms / 1e9)
+    rows = sorted((r for r in ROWS if r["kernel"] == "rebuild_keys tile"), key=lambda r: r["time_ms"])
+    print(f"rebuild_keys: best {rows[0]['time_ms']:.4f} ms {rows[0]['tile']}, then "
+          + ", ".join(f"{r['time_ms']:.4f} {r['tile']}" for r in rows[1:4]))
+
+
 def bench_fetch_rebuild(s, d2d, h2d, tag=""):
     value_bytes = s["misses"] * C * D * 2
     best = min((bench(lambda: run_fetch(s, mpp)), mpp) for mpp in (1, 2, 4))
     record("fetch_values" + tag, best[0], value_bytes, h2d, batch=s["batch"], misses=s["misses"],
            misses_per_program=best[1], eager_ms=bench_eager(lambda: run_fetch(s, best[1])))
     fetch_ms = best[0]
-    rebuild_bytes = s["misses"] * C * (RANK + D) * 2 + s["batch"] * HKV * RANK * D * 2
     flops = 2 * s["misses"] * C * RANK * D
     rebuild_ms = bench(lambda: run_rebuild(s))
-    record("rebuild_keys" + tag, rebuild_ms, rebuild_bytes, d2d, batch=s["batch"], misses=s["misses"],
+    record("rebuild_keys" + tag, rebuild_ms, rebuild_bytes(s), d2d, batch=s["batch"], misses=s["misses"],
            tflops=flops / rebuild_ms / 1e9, eager_ms=bench_eager(lambda: run_rebuild(s)))
     streams = torch.cuda.Stream(), torch.cuda.Stream()
     both_ms = bench(lambda: fetch_and_rebuild(s, *streams, best[1]))
@@ -308,6 +325,8 @@ def main() -> None:
     parser.add_argument("--fetch-shapes-only", default=None, metavar="PATH",
                         help="only sweep the value fetch's shapes (all misses); write the best as misses:programs:warps "
                              "to PATH (benchmarks/throughput.py --fetch-grid)")
+    parser.add_argument("--tiles-only", action="store_true",
+                        help="only sweep the key rebuild's tiles (all misses)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.time()
@@ -320,6 +339,10 @@ def main() -> None:
         with open(args.fetch_shapes_only, "w") as f:
             f.write(best + "\n")
         print(best)
+    elif args.tiles_only:
+        s["num_miss"].fill_(K)
+        s["misses"] = s["batch"] * HKV * K
+        bench_tiles(s, d2d)
     else:
         run_all(s, d2d, h2d, args)
     write_and_print(args, start)

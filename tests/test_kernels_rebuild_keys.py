@@ -8,7 +8,7 @@ from shadowkv_core.shadowkv.batched_reference import rebuild_keys_batched
 
 
 def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_dim=None, interleaved=False,
-           scaling=None, seed=0):
+           scaling=None, seed=0, **shape):
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
@@ -25,7 +25,7 @@ def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_di
     got[written] = float("nan")  # poison the outputs
     inv_freq = rotary.inv_freq.float()[None].expand(B, -1)
     rebuild_keys(u_pages, table.to(device), sv, inv_freq, rotary.attention_factor, interleaved, miss_chunks,
-                 miss_slots, num_miss, slot_ids, got, C)
+                 miss_slots, num_miss, slot_ids, got, C, **shape)
     assert_close(got, expected, dtype, "key slots")
 
 
@@ -37,6 +37,13 @@ def test_rebuild_keys_small(dtype, rotary_dim, interleaved, scaling):
            rotary_dim=rotary_dim, interleaved=interleaved, scaling=scaling)
 
 
+@pytest.mark.parametrize("miss_block,block_r,num_warps", [(4, 16, 4), (8, 64, 4), (32, 32, 8)])
+def test_rebuild_keys_tile_shapes(miss_block, block_r, num_warps):
+    """Other tiles (misses per program, rank step, warps): the same keys; rank 40 is not a multiple of 16 or 64."""
+    _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=torch.float32, device=DEVICE,
+           seed=5, miss_block=miss_block, block_r=block_r, num_warps=num_warps)
+
+
 def test_rebuild_keys_far_positions():
     """Positions past 100K: RoPE angles of 1e5 radians, in fp32 as the reference."""
     _check([30000, 26000], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=512, dtype=torch.float32, device=DEVICE,
@@ -44,9 +51,10 @@ def test_rebuild_keys_far_positions():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [{}, dict(miss_block=16, block_r=32), dict(miss_block=32, num_warps=4)])
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 32), (128 * 1024, 4)])
-def test_rebuild_keys_llama(context, batch):
+def test_rebuild_keys_llama(context, batch, shape):
     C = LLAMA["chunk_size"]
     num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["rank"], LLAMA["budget_chunks"], C, 128,
-           torch.bfloat16, "cuda", scaling=LLAMA3_SCALING)
+           torch.bfloat16, "cuda", scaling=LLAMA3_SCALING, **shape)
