@@ -26,12 +26,15 @@ def shadowkv_floor_s(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: i
                      copy_bps: float, h2d_bps: float) -> float:
     """Per layer and sequence: landmarks M*S/C, exact K and V of outliers, selected chunks and local window, missed
     chunks' U rows over HBM; missed chunks' values over PCIe (as the host stores them: fp8 values move their chunk's
-    scales too). The larger of the two, plus the weights once."""
+    scales too), but for the device_value_share of them (their pages in device memory), read over HBM. The larger of
+    the two, plus the weights once."""
     M, C, K, O = g.kv_width * g.dtype_bytes, cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     misses = (1 - hit_rate) * K  # per KV head
     hbm = M * context / C + 2 * M * ((K + O) * C + cfg.local_chunks * C)
     hbm += misses * g.num_kv_heads * C * cfg.rank * g.dtype_bytes
-    pcie = misses * mm.host_page_bytes(g, cfg) / (g.num_layers * cfg.page_chunks)  # one chunk, every KV head
+    chunk_values = mm.host_page_bytes(g, cfg) / (g.num_layers * cfg.page_chunks)  # one chunk, every KV head
+    hbm += cfg.device_value_share * misses * chunk_values
+    pcie = (1 - cfg.device_value_share) * misses * chunk_values
     per_step = g.num_layers * batch
     return max(per_step * hbm / copy_bps, per_step * pcie / h2d_bps) + g.weight_bytes / copy_bps
 

@@ -12,8 +12,10 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
-Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8][_prefetch][_pipelined]
-(_prefetch: speculative value prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf; each
+Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8][_tiered][_prefetch][_pipelined]
+(_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
+run's memory, so the device memory a host-bound batch leaves over holds values; _prefetch: speculative value
+prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf; each
 engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it (8 and its
 largest). --merge keeps the rows of an earlier file that this run does not redo.
 """
@@ -40,7 +42,7 @@ from shadowkv_core.shadowkv.cache import ShadowKVCache
 
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
-                  "shadowkv_fp8_prefetch_pipelined")
+                  "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined")
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
@@ -59,17 +61,22 @@ def geometry_config(name: str, max_len: int) -> dict:
 
 
 # ---- engines --------------------------------------------------------------------------------------------------
-def method_setup(method: str, cfg: ShadowKVConfig) -> tuple[ShadowKVConfig | None, dict]:
-    """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config."""
+def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> tuple[ShadowKVConfig | None, dict]:
+    """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config;
+    a _tiered method keeps tier_share of each sequence's values on the device."""
     base = method.removesuffix("_eager")
     pipelined = base.endswith("_pipelined")
     base = base.removesuffix("_pipelined")
     prefetch = base.endswith("_prefetch")
     base = base.removesuffix("_prefetch")
+    tiered = base.endswith("_tiered")
+    base = base.removesuffix("_tiered")
     shadow = {"dense": None, "hf": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}[base]
     if prefetch:
         shadow = dataclasses.replace(shadow, prefetch=True)
+    if tiered:
+        shadow = dataclasses.replace(shadow, device_value_share=tier_share)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                           "pipeline_min_batch": 2}
 
@@ -139,9 +146,7 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
             cache.gpu.u[:, pb] = cache.gpu.u[:, pa]
             cache.gpu.landmarks[:, pb] = cache.gpu.landmarks[:, pa]
         for pa, pb in zip(a.host_pages, b.host_pages):
-            cache.host.values[:, pb] = cache.host.values[:, pa]
-            if cache.host.scales is not None:  # fp8 values
-                cache.host.scales[:, pb] = cache.host.scales[:, pa]
+            cache.host.copy_page(pa, pb)
         b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers
         return
     dense = cache.dense if isinstance(cache, ShadowKVCache) else cache
@@ -167,14 +172,17 @@ def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tupl
 
 
 def fetch_figures(stats: list[dict]) -> dict:
-    """Where the misses' values came from over the timed steps: the share of miss bytes read from the host on the
-    step's critical path (1 without prefetch), and the prefetch's host bytes over the misses' (its cost)."""
+    """Where the misses' values came from over the timed steps: the share of miss bytes read on the step's critical
+    path (1 without prefetch), the prefetch's fetches over the misses (its cost), and the share of chunks fetched
+    from the device value region instead of the host (device_value_share)."""
     fetched = sum(s.get("chunks_fetched", 0) for s in stats)
     if not fetched:
         return {}
     staged = sum(s.get("chunks_from_prefetch", 0) for s in stats)
     prefetched = sum(s.get("chunks_prefetched", 0) for s in stats)
-    return {"critical_fetch_fraction": 1 - staged / fetched, "prefetched_over_misses": prefetched / fetched}
+    from_device = sum(s.get("chunks_from_device", 0) for s in stats)
+    return {"critical_fetch_fraction": 1 - staged / fetched, "prefetched_over_misses": prefetched / fetched,
+            "device_fetch_fraction": from_device / (fetched + prefetched)}
 
 
 def random_prompt(vocab_size: int, context: int) -> list[int]:
@@ -199,7 +207,7 @@ def row_for(run: dict, method: str, batch: int, times: list[float], ttft: float,
 def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int]) -> list[dict]:
     """Prefill one prompt, clone it up the batch sweep, time decode at each batch (and profile where asked)."""
     g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
-    cfg, options = method_setup(method, run["shadowkv"])
+    cfg, options = method_setup(method, run["shadowkv"], run["tier_share"])
     engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
     if args.fetch_grid and isinstance(engine.cache, ShadowKVCache):
         cache = engine.cache
@@ -221,6 +229,8 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
             peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
             row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
             row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            if cfg is not None and cfg.device_value_share:
+                row["device_value_share"] = cfg.device_value_share
             if isinstance(engine.cache, ShadowKVCache):
                 c = engine.cache
                 row["fetch_grid"] = f"{c.fetch_misses_per_program}:{c.fetch_programs}:{c.fetch_warps}"
@@ -430,6 +440,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def tier_share_for(g: mm.Geometry, method: str, cfg: ShadowKVConfig, gpu: int, host: int, context: int,
+                   max_new: int) -> float:
+    """A _tiered method's device_value_share: the best for this context and memory (0 for the other methods)."""
+    if "_tiered" not in method:
+        return 0.0
+    return mm.best_device_value_share(g, method_setup(method, cfg)[0], gpu, host, context, max_new)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.replot:
@@ -449,10 +467,12 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = [(c, m) for c in args.contexts for m in args.methods]
     kept = earlier_rows(out, {(args.model, c, m) for c, m in tasks}) if args.merge else []
     for context, method in progress(tasks):
+        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens)
         dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
-                              for c in (None, method_setup(method, cfg)[0]))
+                              for c in (None, method_setup(method, cfg, tier_share)[0]))
         batches, profile_at = plan(method, dense_max, own_max)
         run = dict(device=device_name, model=args.model, context=context, geometry=g, shadowkv=cfg, args=args,
+                   tier_share=tier_share,
                    config_dir=config_dir, device_kind=args.device, copy_bps=copy_bps, h2d_bps=h2d_bps)
         steps = len(batches) * (args.steps + args.warmup_steps) + len(profile_at) * args.profile_steps
         if not batches or batches[0] < 1 or steps >= args.max_new_tokens:

@@ -13,6 +13,10 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
                                             contiguous); only the missed slots are written
   host_scales  (P, PAGE_TOKENS/C, Hkv) fp32 optional: host_values are then float8_e4m3fn, dequantised here as
                                             fp32 value * its chunk's scale, rounded once to value_slots' dtype
+  device_region                             optional (device_values, device_scales or None, device_hits): a second
+                                            region of pages, in device memory, as host_values and host_scales;
+                                            host_table's ids P and up are its pages 0, 1, ...; device_hits (1,)
+                                            int32 counts the misses read from it
   miss_slots None                           the j-th miss goes to slot j: a speculative prefetch filling its staging
                                             area (value_slots) in selection order
   staged                                    optional (stage_chunks, stage_count, stage_values, staged_hits): a
@@ -28,13 +32,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr, slot_ptr,
-                         out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr, staged_hits_ptr, num_items,
+def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr,
+                         num_miss_ptr, slot_ptr, out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr,
+                         staged_hits_ptr, num_items, num_host_pages,
                          stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
                          stride_on, stride_oh, stride_gn, stride_gh,
                          NUM_HEADS: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
                          PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
-                         FP8: tl.constexpr, IN_ORDER: tl.constexpr, STAGED: tl.constexpr, K_PAD: tl.constexpr):
+                         FP8: tl.constexpr, IN_ORDER: tl.constexpr, STAGED: tl.constexpr, K_PAD: tl.constexpr,
+                         TIERED: tl.constexpr):
     # Work items (sequence, KV head, block of MISSES_PER_PROGRAM misses), taken in turn by the grid's programs: one
     # each with a full grid, several each with a capped (persistent) one.
     ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
@@ -69,11 +75,24 @@ def _fetch_values_kernel(host_ptr, scales_ptr, table_ptr, miss_chunks_ptr, miss_
                 tl.atomic_add(staged_hits_ptr, tl.sum(from_stage.to(tl.int32), 0) // CHUNK)
             token = chunk * CHUNK + offs_r % CHUNK
             page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=from_host, other=0).to(tl.int64)
+            on_host = from_host
+            if TIERED:  # the device region has the host's layout; a masked-off load moves no bytes
+                on_dev = from_host & (page >= num_host_pages)
+                on_host = from_host & (page < num_host_pages)
+                dev_page = tl.where(on_dev, page - num_host_pages, 0)
+                tl.atomic_add(dev_hits_ptr, tl.sum(on_dev.to(tl.int32), 0) // CHUNK)
             src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
-            vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=from_host[:, None])
+            vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=on_host[:, None])
+            if TIERED:
+                src_dev = dev_page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
+                vals = tl.where(on_dev[:, None], tl.load(dev_ptr + src_dev[:, None] + offs_d[None, :],
+                                                         mask=on_dev[:, None]), vals)
             if FP8:
-                scale = tl.load(scales_ptr + page * stride_sp + (token % PAGE_TOKENS) // CHUNK * stride_sc + h,
-                                mask=from_host, other=0.0)
+                scale_row = (token % PAGE_TOKENS) // CHUNK * stride_sc + h
+                scale = tl.load(scales_ptr + page * stride_sp + scale_row, mask=on_host, other=0.0)
+                if TIERED:
+                    scale = tl.where(on_dev, tl.load(dev_scales_ptr + dev_page * stride_sp + scale_row, mask=on_dev,
+                                                     other=0.0), scale)
                 vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
             vals = vals.to(out_ptr.dtype.element_ty)
             if STAGED:
@@ -87,9 +106,11 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
                  value_slots: torch.Tensor, chunk_size: int, misses_per_program: int = 4,
                  host_scales: torch.Tensor | None = None, max_programs: int | None = None,
                  staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 num_warps: int = 4) -> None:
+                 num_warps: int = 4,
+                 device_region: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None) -> None:
     """max_programs caps the grid (programs then loop over the work): fewer multiprocessors wait on PCIe, the others
-    stay free for work on other streams. None: one program per (sequence, KV head, block of misses)."""
+    stay free for work on other streams. None: one program per (sequence, KV head, block of misses).
+    device_region: (device_values, device_scales or None, device_hits), pages P and up of host_table."""
     P, page_tokens, Hkv, d = host_values.shape
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
@@ -118,6 +139,15 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     else:
         assert host_values.dtype == value_slots.dtype
         host_scales = host_values  # not read
+    if device_region is None:
+        dev_values, dev_scales, dev_hits = host_values, host_scales, num_miss  # not read
+    else:  # read with the host region's strides
+        dev_values, dev_scales, dev_hits = device_region
+        assert dev_hits.dtype == torch.int32 and dev_hits.numel() == 1
+        dev_values = dev_values.view(torch.uint8) if fp8 else dev_values
+        dev_scales = dev_scales if fp8 else dev_values  # not read without fp8
+        assert dev_values.dtype == host_values.dtype and dev_values.shape[1:] == host_values.shape[1:]
+        assert dev_values.stride() == host_values.stride() and dev_scales.stride() == host_scales.stride()
     assert d == triton.next_power_of_2(d)
     assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
     assert value_slots.stride(3) == 1 and value_slots.stride(2) == d
@@ -128,11 +158,11 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     num_items = B * Hkv * blocks
     grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
-        host_values, host_scales, host_table, miss_chunks, miss_slots, num_miss, slot_ids, value_slots, stage_chunks,
-        stage_count, stage_values, staged_hits, num_items,
+        host_values, host_scales, dev_values, dev_scales, dev_hits, host_table, miss_chunks, miss_slots, num_miss, slot_ids,
+        value_slots, stage_chunks, stage_count, stage_values, staged_hits, num_items, P,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
         value_slots.stride(0), value_slots.stride(1), stage_values.stride(0), stage_values.stride(1),
         NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
         MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, IN_ORDER=in_order, STAGED=staged is not None,
-        K_PAD=triton.next_power_of_2(K), num_warps=num_warps)
+        K_PAD=triton.next_power_of_2(K), TIERED=device_region is not None, num_warps=num_warps)

@@ -30,6 +30,10 @@ class ShadowKVConfig:
         from a speculative query (layer l+1's query projection of layer l's input) and the values it lacks are fetched
         into a staging area of the slot (two layers of sparse values); layer l+1 then copies its misses found there
         from the GPU instead of the host. It only moves work: results are the same.
+    device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
+        first pages, rounded down to whole pages): a hit there costs no PCIe. For a replica whose batch the host
+        memory bounds while device memory is left over (memory_model.best_device_value_share); 0 keeps every value
+        on the host, as the paper. Results are the same wherever a value lies.
     """
 
     rank: int = 160
@@ -42,6 +46,7 @@ class ShadowKVConfig:
     page_chunks: int = 16
     value_format: str = "model"
     prefetch: bool = False
+    device_value_share: float = 0.0
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
@@ -54,6 +59,8 @@ class ShadowKVConfig:
         _require(self.local_chunks >= 1, f"local_chunks must be >= 1, got {self.local_chunks}")
         _require(self.page_chunks >= 1, f"page_chunks must be >= 1, got {self.page_chunks}")
         _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
+        _require(0.0 <= self.device_value_share <= 1.0,
+                 f"device_value_share must be in [0, 1], got {self.device_value_share}")
         _require(self.value_format in VALUE_FORMATS,
                  f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,

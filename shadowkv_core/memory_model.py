@@ -10,6 +10,7 @@ CLI: python -m shadowkv_core.memory_model --model <config.json or preset> --cont
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -118,6 +119,12 @@ def window_tokens(cfg: ShadowKVConfig) -> int:
     return cfg.local_chunks * cfg.chunk_size + cfg.decode_window
 
 
+@dataclass(frozen=True)
+class SeqBytes:
+    gpu: int
+    host: int
+
+
 def slot_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
     """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident and outlier chunk ids;
     sparse, outlier and window keys and values; with prefetch, two layers of staged sparse values."""
@@ -133,10 +140,18 @@ def shadow_pages(cfg: ShadowKVConfig, tokens: int) -> int:
     return math.ceil(tokens / page_tokens(cfg))
 
 
-@dataclass(frozen=True)
-class SeqBytes:
-    gpu: int
-    host: int
+def device_value_pages(cfg: ShadowKVConfig, pages: int) -> int:
+    """Of a sequence's value pages, those kept in device memory (ShadowKVConfig.device_value_share)."""
+    return math.floor(cfg.device_value_share * pages)
+
+
+def shadow_seq_bytes(g: Geometry, cfg: ShadowKVConfig, tokens: int) -> SeqBytes:
+    """The pages of one sequence of `tokens` tokens: U rows, landmarks and the device share of its values on the
+    GPU, the rest of its values on the host."""
+    pages = shadow_pages(cfg, tokens)
+    on_device = device_value_pages(cfg, pages)
+    value = host_page_bytes(g, cfg)
+    return SeqBytes(pages * gpu_page_bytes(g, cfg) + on_device * value, (pages - on_device) * value)
 
 
 def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
@@ -145,22 +160,25 @@ def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tok
     tokens = context + max_new_tokens
     if cfg is None or cfg.stays_dense(context, max_new_tokens):
         return SeqBytes(dense_seq_bytes(g, tokens, block_size), 0)
-    pages = shadow_pages(cfg, tokens)
-    return SeqBytes(slot_bytes(g, cfg) + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
+    pages = shadow_seq_bytes(g, cfg, tokens)
+    return SeqBytes(slot_bytes(g, cfg) + pages.gpu, pages.host)
 
 
 # ---- the engine's pools -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pools:
-    """What an engine allocates once at start: slots, dense blocks for short sequences, shadow pages."""
+    """What an engine allocates once at start: slots, dense blocks for short sequences, shadow pages, and value pages
+    on the host and (device_value_share) on the device."""
 
     num_slots: int
     num_dense_blocks: int
     num_gpu_pages: int
     num_host_pages: int
+    num_device_value_pages: int = 0
 
     def gpu_bytes(self, g: Geometry, cfg: ShadowKVConfig | None, block_size: int) -> int:
-        shadow = 0 if cfg is None else self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
+        shadow = 0 if cfg is None else (self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
+                                        + self.num_device_value_pages * host_page_bytes(g, cfg))
         return shadow + self.num_dense_blocks * dense_block_bytes(g, block_size)
 
     def host_bytes(self, g: Geometry, cfg: ShadowKVConfig | None) -> int:
@@ -170,22 +188,34 @@ class Pools:
 def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, max_num_seqs: int,
                block_size: int = 16) -> Pools:
     """Split a cache budget: a dense engine takes it all in blocks. A ShadowKV engine takes max_num_seqs slots,
-    dense blocks for max_num_seqs sequences of min_context tokens (those stay dense), and GPU shadow pages with the
-    rest; host pages as many as its host budget holds."""
+    dense blocks for max_num_seqs sequences of min_context tokens (those stay dense), and with the rest GPU shadow
+    pages and, for device_value_share, as many device value pages as sequences holding all those shadow pages
+    need; host pages as many as its host budget holds."""
     block = dense_block_bytes(g, block_size)
     if cfg is None:
         return Pools(0, gpu_bytes // block, 0, 0)
     dense_blocks = max_num_seqs * math.ceil(cfg.min_context / block_size)
     rest = gpu_bytes - max_num_seqs * slot_bytes(g, cfg) - dense_blocks * block
-    return Pools(max_num_seqs, dense_blocks, max(rest // gpu_page_bytes(g, cfg), 0),
-                 host_bytes // host_page_bytes(g, cfg))
+    gpu_page, value_page = gpu_page_bytes(g, cfg), host_page_bytes(g, cfg)
+    pages = max(int(rest // (gpu_page + cfg.device_value_share * value_page)), 0)
+    while (pages + 1) * gpu_page + device_value_pages(cfg, pages + 1) * value_page <= rest:  # the share rounds down
+        pages += 1
+    return Pools(max_num_seqs, dense_blocks, pages, host_bytes // value_page, device_value_pages(cfg, pages))
 
 
 def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, max_new_tokens: int,
                     block_size: int = 16) -> tuple[int, int]:
-    """(GPU, host) cache budgets whose pools hold exactly `batch` ShadowKV sequences of this shape."""
+    """(GPU, host) cache budgets whose pools hold exactly `batch` ShadowKV sequences of this shape (the pool's
+    device value pages are its share of all its pages, rounded down once: see capacity)."""
     need = engine_seq_bytes(g, cfg, context, max_new_tokens, block_size)
-    return batch * need.gpu, batch * need.host
+    if cfg.stays_dense(context, max_new_tokens):
+        return batch * need.gpu, 0
+    pages = shadow_pages(cfg, context + max_new_tokens)
+    reserved = need.gpu - pages * gpu_page_bytes(g, cfg) - device_value_pages(cfg, pages) * host_page_bytes(g, cfg)
+    pool_pages = batch * pages
+    gpu = batch * reserved + pool_pages * gpu_page_bytes(g, cfg) + device_value_pages(cfg, pool_pages) * \
+        host_page_bytes(g, cfg)
+    return gpu, batch * need.host
 
 
 def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -244,8 +274,8 @@ def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_
     reserved = slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
     if cfg.stays_dense(context, max_new_tokens):
         return SeqBytes(reserved, 0)
-    pages = shadow_pages(cfg, context + max_new_tokens)
-    return SeqBytes(reserved + pages * gpu_page_bytes(g, cfg), pages * host_page_bytes(g, cfg))
+    pages = shadow_seq_bytes(g, cfg, context + max_new_tokens)
+    return SeqBytes(reserved + pages.gpu, pages.host)
 
 
 def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, contexts: list[int],
@@ -254,13 +284,32 @@ def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes
     after the fixed cost of weights and the largest prefill."""
     free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens, max_num_seqs=0)
     free_host = host_bytes
-    batch = 0
+    batch = pool_pages = 0
     while True:
-        need = engine_seq_bytes(g, cfg, contexts[batch % len(contexts)], max_new_tokens, block_size)
-        if need.gpu + decode_workspace_bytes(g, 1) > free_gpu or need.host > free_host:
+        context = contexts[batch % len(contexts)]
+        need = engine_seq_bytes(g, cfg, context, max_new_tokens, block_size)
+        gpu = need.gpu + decode_workspace_bytes(g, 1)
+        if cfg is not None and cfg.device_value_share and not cfg.stays_dense(context, max_new_tokens):
+            # the pool's device value pages are its share of all its pages (plan_pools), rounded down once: a
+            # little more than the sum of every sequence's share, each rounded down
+            pages = shadow_pages(cfg, context + max_new_tokens)
+            extra = device_value_pages(cfg, pool_pages + pages) - device_value_pages(cfg, pool_pages)
+            gpu += (extra - device_value_pages(cfg, pages)) * host_page_bytes(g, cfg)
+            pool_pages += pages
+        if gpu > free_gpu or need.host > free_host:
             return batch
-        free_gpu -= need.gpu + decode_workspace_bytes(g, 1)
+        free_gpu -= gpu
         free_host, batch = free_host - need.host, batch + 1
+
+
+def best_device_value_share(g: Geometry, cfg: ShadowKVConfig, gpu_bytes: int, host_bytes: int, context: int,
+                            max_new_tokens: int, steps: int = 64, **kw) -> float:
+    """The device_value_share (a multiple of 1/steps, below 1: a replica keeps a host shard) under which a replica
+    holds the most sequences of this context; of those, the largest: the device memory that batch leaves over then
+    holds values (fewer PCIe bytes) instead of lying idle."""
+    held = [capacity(g, dataclasses.replace(cfg, device_value_share=i / steps), gpu_bytes, host_bytes, [context],
+                     max_new_tokens, **kw) for i in range(steps)]
+    return max(i for i, h in enumerate(held) if h == max(held)) / steps
 
 
 def main(argv: list[str] | None = None) -> None:

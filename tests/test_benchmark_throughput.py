@@ -75,6 +75,23 @@ def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
     assert all(r["critical_fetch_fraction"] == 1 for r in more["rows"] if r["method"] == "shadowkv_prefetch")
 
 
+def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_batch(tmp_path):
+    """With a host budget of about two sequences' values and room on the "device", _tiered picks a share > 0 that
+    holds more sequences, and its misses are partly read from the device region (the reference path on CPU)."""
+    model = write_config(tp.geometry_config("tiny", 1024))
+    g = mm.Geometry.from_spec(_spec(model), torch.float32)
+    host_gib = 2.5 * mm.seq_bytes(g, TINY_SHADOWKV, 512, 24).host / mm.GIB
+    args = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "3", "--warmup-steps", "1",
+            "--profile-steps", "1", "--max-new-tokens", "24", "--host-gib", str(host_gib), "--max-batch", "4",
+            "--out", str(tmp_path / "t.json"), "--kernels-json", str(tmp_path / "k.json")]
+    out = tp.main(args + ["--methods", "shadowkv", "shadowkv_tiered_pipelined"])
+    assert not out["failures"]
+    plain = max(r["batch"] for r in out["rows"] if r["method"] == "shadowkv")
+    tiered = [r for r in out["rows"] if r["method"] == "shadowkv_tiered_pipelined"]
+    assert plain == 2 and max(r["batch"] for r in tiered) > plain
+    assert all(0 < r["device_value_share"] <= 1 and r["device_fetch_fraction"] > 0 for r in tiered)
+
+
 def test_performance_model_at_122k():
     g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig()
     copy, h2d = 4.28e12, 55.2e9
@@ -88,3 +105,7 @@ def test_performance_model_at_122k():
     fp8 = dataclasses.replace(cfg, value_format="fp8")
     pcie_fp8 = shadowkv_floor_s(g, fp8, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
     assert pcie_fp8 == pytest.approx(8 * 0.4 * 256 * 8 * 32 * (1024 + 4) / h2d, rel=1e-6)
+    # a device value share: that share of the misses' values read over HBM instead of PCIe
+    tiered = dataclasses.replace(fp8, device_value_share=0.25)
+    pcie_tiered = shadowkv_floor_s(g, tiered, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
+    assert pcie_tiered == pytest.approx(0.75 * pcie_fp8, rel=1e-6)

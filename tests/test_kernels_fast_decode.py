@@ -1,6 +1,7 @@
 """The fast decode path (shadowkv/fast_decode.py, all kernels, two streams) against the reference decode path
 (layer.decode_layer per sequence) on two caches holding the same prefill: same outputs, same resident chunks,
 through steps that hit, miss and fold the window."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ SCALE = D ** -0.5
 def _cache(config, rotary, dtype, device):
     dense = DenseKVCache(L, HKV, D, num_blocks=8, block_size=16, dtype=dtype, device=device, scale=SCALE)
     return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=512,
-                         num_host_pages=512, dense=dense)
+                         num_host_pages=512, dense=dense,
+                         num_device_value_pages=512 if config.device_value_share else 0)
 
 
 def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device, speculation_noise=None):
@@ -50,12 +52,14 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device, speculation_n
     return outs, plan, first_misses
 
 
-def _prefilled(dtype, device, prompt_lens, steps, seed, **config):
-    """Two caches (reference, fast) of a small sparse config holding the same prefill of `prompt_lens`."""
+def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config):
+    """Two caches (reference, fast) of a small sparse config holding the same prefill of `prompt_lens`; the fast one
+    keeps `fast_share` of each sequence's values in its device region."""
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
                             min_context=0, decode_window=8, page_chunks=4, **config)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
-    caches = [_cache(config, rotary, dtype, device) for _ in range(2)]
+    caches = [_cache(c, rotary, dtype, device)
+              for c in (config, dataclasses.replace(config, device_value_share=fast_share))]
     for cache in caches:
         for i, n in enumerate(prompt_lens):
             cache.allocate(i, n, steps + 1)
@@ -64,10 +68,14 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, **config):
     return caches, rotary
 
 
-@pytest.mark.parametrize("value_format", ["model", "fp8"])
+@pytest.mark.parametrize("value_format,fast_share", [("model", 0.0), ("fp8", 0.0), ("model", 0.5), ("fp8", 0.3)])
 @pytest.mark.parametrize("dtype", [torch.float32])
-def test_fast_decode_equals_reference(dtype, value_format, device=DEVICE, prompt_lens=(150, 61, 97), steps=12):
-    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, value_format=value_format)
+def test_fast_decode_equals_reference(dtype, value_format, fast_share, device=DEVICE, prompt_lens=(150, 61, 97),
+                                      steps=12):
+    """fast_share: the fast path reads part of the values from its device region, the reference all from the host."""
+    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format)
+    if fast_share:
+        assert caches[1].host.device_pages.num_free < caches[1].host.device_pages.num_pages
     for step in range(steps):
         ctx = [n + step for n in prompt_lens]
         for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)[0]):
@@ -108,9 +116,9 @@ def test_speculative_prefetch_only_moves_work_gpu_bf16(value_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value_format", ["model", "fp8"])
-def test_fast_decode_equals_reference_gpu_bf16(value_format):
-    test_fast_decode_equals_reference(torch.bfloat16, value_format, device="cuda", prompt_lens=(1500, 611, 977, 2048),
+@pytest.mark.parametrize("value_format,fast_share", [("model", 0.0), ("fp8", 0.0), ("fp8", 0.4)])
+def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share):
+    test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, device="cuda", prompt_lens=(1500, 611, 977, 2048),
                                       steps=20)
 
 

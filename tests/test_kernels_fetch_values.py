@@ -7,7 +7,9 @@ from shadowkv_core.shadowkv.batched_reference import gather_values_batched
 from shadowkv_core.shadowkv.reference import quantize_values
 
 
-def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, max_programs=None):
+def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, max_programs=None,
+           device_pages=0):
+    """device_pages: the pool's last pages are handed to the kernel as its device region (ids P_host and up)."""
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
@@ -17,18 +19,30 @@ def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=Fal
         magnitude = torch.exp(4 * torch.randn(num_pages, page_tokens // C, 1, Hkv, 1, generator=g))
         values = host_values.float().unflatten(1, (-1, C)) * magnitude
         host_values, host_scales = quantize_values(values.flatten(1, 2), C)
+    expected_from = host_values, host_scales
+    region = None
+    if device_pages:
+        P = num_pages - device_pages
+        region = (host_values[P:].to(device), host_scales[P:].to(device) if fp8 else None,
+                  torch.zeros(1, dtype=torch.int32, device=device))
+        host_values, host_scales = host_values[:P], host_scales[:P] if fp8 else None
     if device == "cuda":
         host_values = host_values.pin_memory()
         host_scales = host_scales.pin_memory() if fp8 else None
     value_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
     slot_ids = slot_ids_for(B, N, g).to(device)
     misses = [t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g)]
-    expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C, host_scales)
+    expected = gather_values_batched(value_slots, expected_from[0], table, *misses, slot_ids, C, expected_from[1])
     got = value_slots.clone()
     got[expected != value_slots] = float("nan")  # poison the outputs
     fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales,
-                 max_programs=max_programs)
+                 max_programs=max_programs, device_region=region)
     assert_close(got, expected, dtype, "value slots", tol=(0, 0))  # a copy (fp8: one product, one rounding): bit-exact
+    if device_pages:  # the misses whose page lies in the device region, counted
+        chunks, _, num_miss = (t.cpu() for t in misses)
+        on_device = [int((table.cpu()[b].long()[chunks[b, h, :int(num_miss[b, h])].long() * C // page_tokens] >= P)
+                         .sum()) for b in range(B) for h in range(Hkv)]
+        assert int(region[2]) == sum(on_device) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -45,6 +59,23 @@ def test_fetch_values_capped_grid_loops_over_all_the_work(max_programs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fetch_values_fp8_dequantises_each_chunk_with_its_scale(dtype):
     _check([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=3, fp8=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("device_pages", [4, 13])
+def test_fetch_values_reads_each_page_from_its_region(fp8, device_pages):
+    """Pages split between the host and a device region: each miss is read where its page lies."""
+    _check([37, 5, 70], 2, 32, 12, 4, 16, torch.float16, DEVICE, seed=6, fp8=fp8, max_programs=3,
+           device_pages=device_pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fetch_values_device_region_llama(fp8):
+    C = LLAMA["chunk_size"]
+    num_chunks = ragged_lengths(128 * 1024 // C, 4, seed=7)
+    _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
+           "cuda", fp8=fp8, max_programs=16, device_pages=1500)
 
 
 @pytest.mark.gpu

@@ -48,20 +48,25 @@ def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
     assert mm.Geometry.from_spec(spec, torch.float32).weight_bytes == sum(params.values())
 
 
-@pytest.mark.parametrize("value_format", ["model", "fp8"])
-def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format):
+@pytest.mark.parametrize("value_format,share", [("model", 0.0), ("fp8", 0.0), ("model", 0.4), ("fp8", 0.55)])
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share):
     path = build_tiny_model(tmp_path)
     cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
-                         min_context=32, decode_window=16, page_chunks=4, value_format=value_format)
+                         min_context=32, decode_window=16, page_chunks=4, value_format=value_format,
+                         device_value_share=share)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
     cache = engine.cache
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
+    device_values = [t for t in (cache.host.device_values, cache.host.device_scales) if t is not None]
     allocated_gpu = sum(t.numel() * t.element_size() for t in
-                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *cache.slots.buffers))
+                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *cache.slots.buffers,
+                         *device_values))
     pools = mm.plan_pools(g, cfg, int(0.005 * mm.GIB), int(0.002 * mm.GIB), 3)
-    assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages) == \
-        (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages)
+    assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages,
+            cache.host.device_pages.num_pages) == (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
+                                                   pools.num_host_pages, pools.num_device_value_pages)
+    assert (pools.num_device_value_pages > 0) == (share > 0)
     assert allocated_gpu == pools.gpu_bytes(g, cfg, 16) <= 0.005 * mm.GIB
     host_tensors = (cache.host.values,) if cache.host.scales is None else (cache.host.values, cache.host.scales)
     assert sum(t.numel() * t.element_size() for t in host_tensors) == pools.host_bytes(g, cfg)
@@ -105,6 +110,36 @@ def test_pool_budget_for_a_batch_holds_exactly_that_batch():
     pages = mm.shadow_pages(cfg, 122880 + 64)
     assert pools.num_gpu_pages == pools.num_host_pages == 7 * pages
     assert pools.gpu_bytes(G8B, cfg, 16) == gpu and pools.host_bytes(G8B, cfg) == host
+
+
+@pytest.mark.parametrize("share", [0.37, 0.5, 1.0])
+def test_pool_budget_and_capacity_with_a_device_value_share(share):
+    """A share of each sequence's values on the device: the budget for a batch holds exactly that batch, and
+    capacity() admits that batch in that budget and no more."""
+    cfg = dataclasses.replace(PAPER, min_context=4096, value_format="fp8", device_value_share=share)
+    batch, context = 7, 122880
+    gpu, host = mm.pool_budget_for(G8B, cfg, batch, context, 64)
+    pools = mm.plan_pools(G8B, cfg, gpu, host, batch)
+    pages = mm.shadow_pages(cfg, context + 64)
+    on_device = mm.device_value_pages(cfg, pages)
+    assert on_device == int(share * pages) and pools.num_gpu_pages == batch * pages
+    assert pools.num_host_pages == batch * (pages - on_device) and pools.num_device_value_pages >= batch * on_device
+    assert pools.gpu_bytes(G8B, cfg, 16) == gpu and pools.host_bytes(G8B, cfg) == host
+    fixed = mm.fixed_gpu_bytes(G8B, cfg, context, 8192, max_num_seqs=batch)
+    assert mm.capacity(G8B, cfg, gpu + fixed, host, [context], 64) == batch
+    assert mm.seq_bytes(G8B, cfg, context, 64).host == (pages - on_device) * mm.host_page_bytes(G8B, cfg)
+
+
+def test_best_device_value_share_fills_device_memory_a_host_bound_batch_leaves():
+    g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig(value_format="fp8")
+    gpu, host = 125 * mm.GIB, 100 * mm.GIB
+    host_bound = mm.capacity(g, cfg, gpu, host, [122880], 128)
+    share = mm.best_device_value_share(g, cfg, gpu, host, 122880, 128)
+    best = mm.capacity(g, dataclasses.replace(cfg, device_value_share=share), gpu, host, [122880], 128)
+    assert 0 < share < 1 and best > host_bound  # values moved to the device make room on the host
+    more = dataclasses.replace(cfg, device_value_share=share + 1 / 64)
+    assert mm.capacity(g, more, gpu, host, [122880], 128) < best  # the largest share that keeps that batch
+    assert mm.best_device_value_share(g, cfg, gpu, 10_000 * mm.GIB, 122880, 128) == 0.0  # GPU-bound: none
 
 
 def test_host_memory_available_respects_the_container_limit(tmp_path):

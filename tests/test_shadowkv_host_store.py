@@ -103,3 +103,39 @@ def test_pinned_region_is_registered_and_read_by_the_gpu():
     store.values.fill_(3.0)
     torch.testing.assert_close(store.values.to("cuda", non_blocking=True).cpu(), store.values)
     store.close()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_device_region_pages_write_and_gather_as_the_host(fp8):
+    """A sequence's first pages in the device region (ids after the host's), the rest on the host: writes across the
+    boundary land in both regions, and gather returns what a host-only store returns."""
+    torch.manual_seed(7)
+    kw = dict(value_format="fp8", chunk_size=4) if fp8 else {}
+    tiered, plain = make_store(num_pages=4, num_device_pages=3, **kw), make_store(num_pages=8, **kw)
+    pages = tiered.alloc(5, on_device=2)
+    assert pages[:2] == [4, 5] and all(p < 4 for p in pages[2:])
+    assert tiered.num_free == 1 and tiered.device_pages.num_free == 1
+    table, plain_table = torch.tensor(pages), torch.tensor(plain.alloc(5))
+    values = torch.randn(2, 36, 2, 4)  # tokens [4, 40): page 0 (device) to page 4 (host)
+    for store, t in ((tiered, table), (plain, plain_table)):
+        store.write(slice(None), t, 4, values)
+    assert tiered.device_values[:, :2].float().abs().sum() > 0 and tiered.values[:, pages[2]].float().abs().sum() > 0
+    chunks, heads = torch.tensor([1, 3, 4, 9, 2]), torch.tensor([0, 1, 1, 0, 1])
+    for layer in range(2):
+        got = tiered.gather(layer, table, chunks, heads, 4)
+        torch.testing.assert_close(got, plain.gather(layer, plain_table, chunks, heads, 4), rtol=0, atol=0)
+    spare = tiered.alloc(2, on_device=1)  # copy a device page to a host page and a host page to a device page
+    tiered.copy_page(pages[0], spare[1])
+    tiered.copy_page(pages[2], spare[0])
+    moved = torch.tensor([spare[1], pages[1], spare[0]])
+    for layer in range(2):
+        torch.testing.assert_close(tiered.gather(layer, moved, chunks[:3], heads[:3], 4),
+                                   tiered.gather(layer, table, chunks[:3], heads[:3], 4), rtol=0, atol=0)
+    tiered.free(spare)
+    with pytest.raises(MemoryError, match="device value store"):
+        tiered.alloc(2, on_device=2)
+    with pytest.raises(MemoryError, match="host value store"):
+        tiered.alloc(2, on_device=0)
+    assert tiered.num_free == 1 and tiered.device_pages.num_free == 1  # nothing taken by either refusal
+    tiered.free(pages)
+    assert tiered.num_free == 4 and tiered.device_pages.num_free == 3

@@ -58,7 +58,8 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
         return _dense(config, spec, dtype, device, pools.num_dense_blocks)
     cfg.check_model(spec.num_kv_heads, spec.head_dim)
     gpu_only = mm.plan_pools(g, cfg, budget, 0, config.max_num_seqs, config.block_size)
-    host = host_cache_bytes(config, gpu_only.num_gpu_pages * mm.host_page_bytes(g, cfg))
+    host = host_cache_bytes(config, (gpu_only.num_gpu_pages - gpu_only.num_device_value_pages)
+                            * mm.host_page_bytes(g, cfg))
     pools = mm.plan_pools(g, cfg, budget, host, config.max_num_seqs, config.block_size)
     if pools.num_gpu_pages < 1 or pools.num_host_pages < 1:
         raise ValueError(f"cache budget: {budget} GPU bytes and {host} host bytes hold {config.max_num_seqs} "
@@ -68,11 +69,12 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
     if device.type == "cuda":  # the value shard and this replica's threads go to the GPU's NUMA node
         placement = placement_for_cuda_device(device)
         placement.pin_threads()
-    logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host pages of %d tokens",
-                pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
-                mm.page_tokens(cfg))
+    logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host and %d device value pages of %d "
+                "tokens", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
+                pools.num_device_value_pages, mm.page_tokens(cfg))
     return ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg,
                          spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
                          pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
                          prefill_chunk_tokens=config.prefill_chunk_tokens,
-                         placement=placement, use_kernels=config.use_kernels)
+                         placement=placement, use_kernels=config.use_kernels,
+                         num_device_value_pages=pools.num_device_value_pages)

@@ -15,6 +15,7 @@ import torch
 
 from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.memory_model import device_value_pages
 from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer, speculate_layer
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
@@ -31,6 +32,7 @@ class StepCounters:
     bytes_fetched: int = 0  # value bytes read from the host: the misses not staged, and the prefetches
     prefetched: int = 0  # chunks a speculative prefetch fetched (config.prefetch)
     from_prefetch: int = 0  # misses copied from a prefetch's staging area: off the step's critical path
+    from_device: int = 0  # chunks fetched from the device value region (config.device_value_share), not the host
 
 
 @dataclass
@@ -46,13 +48,15 @@ class BatchSplit:
 
 class ShadowKVCache(KVCache):
     """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `config.page_chunks`
-    chunks. `rotary` is the model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
+    chunks, and `num_device_value_pages` value pages in device memory (config.device_value_share). `rotary` is the
+    model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
     sequences that fit in config.min_context tokens."""
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,
                  num_gpu_pages: int, num_host_pages: int, dense: KVCache,
-                 prefill_chunk_tokens: int = 8192, placement=None, use_kernels: bool | None = None):
+                 prefill_chunk_tokens: int = 8192, placement=None, use_kernels: bool | None = None,
+                 num_device_value_pages: int = 0):
         config.check_model(num_kv_heads, head_dim)
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -64,7 +68,8 @@ class ShadowKVCache(KVCache):
                             head_dim, dtype, device)
         self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
                                    pin=self.device.type == "cuda", placement=placement,
-                                   value_format=config.value_format, chunk_size=config.chunk_size)
+                                   value_format=config.value_format, chunk_size=config.chunk_size,
+                                   num_device_pages=num_device_value_pages, device=device)
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
         self.step, self.last_step = StepCounters(), StepCounters()
@@ -94,28 +99,36 @@ class ShadowKVCache(KVCache):
     # ---- allocation ----
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        """GPU pages (U rows + landmarks) and, as many, host value pages of one sequence."""
+        """GPU pages (U rows + landmarks) and, as many, value pages of one sequence (on the host and the device)."""
         return math.ceil((prompt_len + max_new_tokens) / self.gpu.page_tokens)
+
+    def _value_pages_fit(self, n: int, free: bool) -> bool:
+        d = device_value_pages(self.config, n)
+        host, device = (self.host.num_free, self.host.device_pages.num_free) if free else \
+            (self.host.num_pages, self.host.device_pages.num_pages)
+        return n - d <= host and d <= device
 
 
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
         if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.can_allocate(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
-        return self.slots.num_free >= 1 and self.gpu.num_free >= n and self.host.num_free >= n
+        return self.slots.num_free >= 1 and self.gpu.num_free >= n and self._value_pages_fit(n, free=True)
 
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.fits_when_empty(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
-        return n <= self.gpu.num_pages and n <= self.host.num_pages
+        return n <= self.gpu.num_pages and self._value_pages_fit(n, free=False)
 
     def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
         """(device bytes, host bytes) reserved by `allocate`: pages, plus the slot on the device."""
         if self.config.stays_dense(prompt_len, max_new_tokens):
             return self.dense.footprint(prompt_len, max_new_tokens)
         n = self.pages_needed(prompt_len, max_new_tokens)
-        return n * self.gpu.page_bytes + self.slots.slot_bytes, n * self.host.page_bytes
+        d = device_value_pages(self.config, n)
+        return (n * self.gpu.page_bytes + d * self.host.page_bytes + self.slots.slot_bytes,
+                (n - d) * self.host.page_bytes)
 
     def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
         """Reserve the slot and every page the sequence can need; MemoryError, nothing reserved, if they don't fit."""
@@ -126,12 +139,13 @@ class ShadowKVCache(KVCache):
         if not self.can_allocate(prompt_len, max_new_tokens):
             raise MemoryError(
                 f"ShadowKV cache full: a sequence of {prompt_len}+{max_new_tokens} tokens needs 1 slot and "
-                f"{self.pages_needed(prompt_len, max_new_tokens)} GPU and host pages; free: {self.slots.num_free} "
-                f"slots, {self.gpu.num_free} GPU pages, {self.host.num_free} host pages")
+                f"{self.pages_needed(prompt_len, max_new_tokens)} GPU and value pages; free: {self.slots.num_free} "
+                f"slots, {self.gpu.num_free} GPU pages, {self.host.num_free} host pages, "
+                f"{self.host.device_pages.num_free} device value pages")
         n = self.pages_needed(prompt_len, max_new_tokens)
         C = self.config.chunk_size
         num_shadow = max(prompt_len // C - self.config.local_chunks, 0)  # the middle chunks
-        gpu_pages, host_pages = self.gpu.alloc(n), self.host.alloc(n)
+        gpu_pages, host_pages = self.gpu.alloc(n), self.host.alloc(n, on_device=device_value_pages(self.config, n))
         self.seqs[seq_id] = SequenceState(
             slot=self.slots.alloc(), prompt_len=prompt_len, gpu_pages=gpu_pages, host_pages=host_pages,
             gpu_table=torch.tensor(gpu_pages, dtype=torch.int64, device=self.device),
@@ -273,11 +287,12 @@ class ShadowKVCache(KVCache):
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
-        counts = torch.stack([torch.stack([p.misses, p.prefetched, p.staged_hits[0].long()]) for p in self._plans])
-        fetched, prefetched, from_prefetch = counts.sum(0).tolist()  # one read back for the step
+        counts = torch.stack([torch.stack([p.misses, p.prefetched, p.staged_hits[0].long(), p.device_hits[0].long()])
+                              for p in self._plans])
+        fetched, prefetched, from_prefetch, from_device = counts.sum(0).tolist()  # one read back for the step
         self.step = StepCounters(selected, selected - fetched, fetched,
-                                 (fetched - from_prefetch + prefetched) * self.host.fetch_bytes(), prefetched,
-                                 from_prefetch)
+                                 (fetched - from_prefetch + prefetched - from_device) * self.host.fetch_bytes(),
+                                 prefetched, from_prefetch, from_device)
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU
@@ -306,9 +321,12 @@ class ShadowKVCache(KVCache):
             "bytes_fetched": last.bytes_fetched,
             "chunks_prefetched": last.prefetched,
             "chunks_from_prefetch": last.from_prefetch,
-            "gpu_bytes_in_use": self.gpu.bytes_in_use + self.slots.bytes_in_use + dense["gpu_bytes_in_use"],
+            "chunks_from_device": last.from_device,
+            "gpu_bytes_in_use": (self.gpu.bytes_in_use + self.slots.bytes_in_use + self.host.device_pages.bytes_in_use
+                                 + dense["gpu_bytes_in_use"]),
             "host_bytes_in_use": self.host.bytes_in_use + dense["host_bytes_in_use"],
             "gpu_bytes_total": (self.gpu.num_pages * self.gpu.page_bytes + self.slots.num_slots * self.slots.slot_bytes
+                                + self.host.device_pages.num_pages * self.host.device_pages.page_bytes
                                 + dense.get("gpu_bytes_total", 0)),
             "host_bytes_total": self.host.num_pages * self.host.page_bytes + dense.get("host_bytes_total", 0),
         }

@@ -32,7 +32,7 @@ class DecodePlan:
 
     slot_ids: torch.Tensor  # (B,) int32
     gpu_table: torch.Tensor  # (B, max_pages) int32
-    host_table: torch.Tensor  # (B, max_pages) int32, host page ids (read on the GPU)
+    host_table: torch.Tensor  # (B, max_pages) int32, value page ids, host then device (read on the GPU)
     num_chunks: torch.Tensor  # (B,) int32 shadow chunks
     num_outliers: torch.Tensor  # (B,) int32
     num_selected: torch.Tensor  # (B,) int32 chunks selected = min(budget, shadow - outliers)
@@ -48,6 +48,7 @@ class DecodePlan:
     misses: torch.Tensor  # () int64 chunks fetched this forward, summed over layers (read once, after the step)
     prefetched: torch.Tensor  # () int64 chunks a speculative prefetch fetched (config.prefetch)
     staged_hits: torch.Tensor  # (1,) int32 misses copied from a prefetch's staging area instead of the host
+    device_hits: torch.Tensor  # (1,) int32 chunks fetched from the device value region (device_value_share)
     staged: dict = field(default_factory=dict)  # layer -> its prefetch's lists (chunks, count), until it selects
 
     @staticmethod
@@ -84,7 +85,8 @@ class DecodePlan:
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
             misses=torch.zeros((), dtype=torch.int64, device=dev),
             prefetched=torch.zeros((), dtype=torch.int64, device=dev),
-            staged_hits=torch.zeros(1, dtype=torch.int32, device=dev))
+            staged_hits=torch.zeros(1, dtype=torch.int32, device=dev),
+            device_hits=torch.zeros(1, dtype=torch.int32, device=dev))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the plan (what a CUDA graph of the forward reads and, for `misses`, writes)."""
@@ -186,9 +188,11 @@ def speculate_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
 
 def fetch_into(cache, layer: int, plan: DecodePlan, misses: tuple, dest: torch.Tensor, staged: tuple | None = None):
     """fetch_values of a layer's miss lists (chunks, slots or None, count) into dest, with the cache's grid."""
+    region = cache.host.device_region(layer)
     fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids, dest, cache.config.chunk_size,
                  misses_per_program=cache.fetch_misses_per_program, host_scales=cache.host.scales_of(layer),
-                 max_programs=cache.fetch_programs, staged=staged, num_warps=cache.fetch_warps)
+                 max_programs=cache.fetch_programs, staged=staged, num_warps=cache.fetch_warps,
+                 device_region=None if region is None else (*region, plan.device_hits))
 
 
 def on_stream(stream: torch.cuda.Stream | None, work) -> torch.cuda.Event | None:

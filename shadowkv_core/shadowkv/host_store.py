@@ -1,9 +1,14 @@
-"""One engine's value store on the host (its shard): one large region allocated once, handed out in pages.
+"""One engine's value store on the host (its shard): one large region allocated once, handed out in pages; and,
+optionally, a second region of the same pages in device memory (ShadowKVConfig.device_value_share).
 
 A page holds the values of `page_tokens` consecutive tokens of one sequence for every layer: in the model's dtype,
-or (value_format "fp8") as e4m3 with one fp32 scale per chunk and KV head. On CUDA the region is pinned with
+or (value_format "fp8") as e4m3 with one fp32 scale per chunk and KV head. On CUDA the host region is pinned with
 cudaHostRegister, so the GPU can read it directly (zero-copy, over unified virtual addressing); the caching host
 allocator is not used because it rounds every allocation up to a power of two.
+
+Page ids: host pages are 0 .. num_pages - 1; device pages follow, num_pages .. num_pages + num_device_pages - 1.
+A sequence's page table mixes both (its first pages on the device, see `alloc`); fetch_values reads each page from
+where it lies.
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ OS_PAGE = 4096
 class HostValueStore(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None,
-                 value_format: str = "model", chunk_size: int = 1):
-        """chunk_size: tokens per chunk, the unit fetched (and scaled, for fp8 values)."""
+                 value_format: str = "model", chunk_size: int = 1, num_device_pages: int = 0,
+                 device: torch.device | str = "cpu"):
+        """chunk_size: tokens per chunk, the unit fetched (and scaled, for fp8 values). num_device_pages: pages of
+        the device region, on `device`."""
         self.page_tokens, self.chunk_size = page_tokens, chunk_size
         self.dtype = dtype  # what gather returns
         self.fp8 = value_format == "fp8"
@@ -39,6 +46,47 @@ class HostValueStore(PagePool):
         if self.fp8:
             per_layer += math.prod(self.scales_shape[2:]) * self.scales.element_size()
         super().__init__(num_pages, num_layers * per_layer, f"pages of {page_tokens} tokens in the host value store")
+        self.device_pages = PagePool(num_device_pages, num_layers * per_layer,
+                                     f"pages of {page_tokens} tokens in the device value store")
+        device_shape = (num_layers, num_device_pages, *self.shape[2:])
+        self.device_values = torch.zeros(device_shape, dtype=self.values.dtype, device=device)
+        self.device_scales = torch.zeros((num_layers, num_device_pages, *self.scales_shape[2:]), dtype=torch.float32,
+                                         device=device) if self.fp8 else None
+
+    # ---- pages: the first `on_device` of a sequence's pages in the device region, the others on the host ----
+
+    def alloc(self, n: int, on_device: int = 0) -> list[int]:
+        """A sequence's n pages, its first `on_device` of them in the device region; MemoryError, nothing taken, if
+        either region lacks room."""
+        if n - on_device > self.num_free:
+            super().alloc(n - on_device)  # raises, naming the host pages
+        device = [self.num_pages + p for p in self.device_pages.alloc(on_device)]
+        return device + super().alloc(n - on_device)
+
+    def free(self, pages: list[int]) -> None:
+        self.device_pages.free([p - self.num_pages for p in pages if p >= self.num_pages])
+        super().free([p for p in pages if p < self.num_pages])
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page src's values (every layer) into page dst, in whichever regions the two lie."""
+        (src_values, src_scales, s), (dst_values, dst_scales, d) = self._page(src), self._page(dst)
+        dst_values[:, d] = src_values[:, s].to(dst_values.device)
+        if self.fp8:
+            dst_scales[:, d] = src_scales[:, s].to(dst_scales.device)
+
+    def _page(self, page: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(values, scales, index there) of a page id."""
+        if page >= self.num_pages:
+            return self.device_values, self.device_scales, page - self.num_pages
+        return self.values, self.scales, page
+
+    def _regions(self, table: torch.Tensor):
+        """(values, scales, the table with this region's page ids and 0 for the other's, whether each logical page
+        lies here) for the host region, then the device region if it has pages."""
+        on_device = table >= self.num_pages
+        yield self.values, self.scales, torch.where(on_device, 0, table), ~on_device
+        if self.device_pages.num_pages:
+            yield self.device_values, self.device_scales, torch.where(on_device, table - self.num_pages, 0), on_device
 
     def _allocate_region(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one host allocation of the store (values, then fp8 scales), bound to the GPU's NUMA node before
@@ -69,19 +117,27 @@ class HostValueStore(PagePool):
 
         One copy per run of consecutive physical pages, straight from the device into the pinned region (DMA, queued
         on the current stream: the fetch kernels that read these pages run after it; `gather` waits for it)."""
-        async_copy = self.pinned and values.is_cuda
-        pages = table.tolist()
+        n = values.shape[-3]
         if self.fp8:
             C = self.chunk_size
-            if start % C or values.shape[-3] % C:
+            if start % C or n % C:
                 raise ValueError(f"fp8 values are written in whole chunks of {C} tokens; got tokens "
-                                 f"[{start}, {start + values.shape[-3]})")
+                                 f"[{start}, {start + n})")
             values, scales = quantize_values(values, C)
-            _copy_rows(self.scales[layers], pages, start // C, scales, 1, async_copy)
-        _copy_rows(self.values[layers], pages, start, values.to(self.values.dtype), 2, async_copy)
-        if async_copy:
-            self._written = torch.cuda.Event()
-            self._written.record()
+        values = values.to(self.values.dtype)
+        for region, region_scales, pages, here in self._regions(table):
+            logical = torch.arange(start // self.page_tokens, -(-(start + n) // self.page_tokens))
+            for first, last in _runs(here[logical].tolist(), int(logical[0]) if len(logical) else 0):
+                lo, hi = max(start, first * self.page_tokens), min(start + n, last * self.page_tokens)
+                async_copy = self.pinned and values.is_cuda and region.device.type == "cpu"
+                rows = values.narrow(-3, lo - start, hi - lo)
+                if self.fp8:
+                    _copy_rows(region_scales[layers], pages.tolist(), lo // C,
+                               scales.narrow(-2, (lo - start) // C, (hi - lo) // C), 1, async_copy)
+                _copy_rows(region[layers], pages.tolist(), lo, rows, 2, async_copy)
+                if async_copy:
+                    self._written = torch.cuda.Event()
+                    self._written.record()
 
     def gather(self, layer: int, table: torch.Tensor, chunk_ids: torch.Tensor, heads: torch.Tensor,
                chunk_size: int) -> torch.Tensor:
@@ -89,14 +145,27 @@ class HostValueStore(PagePool):
         if self._written is not None:
             self._written.synchronize()
         chunk_ids, heads = chunk_ids.cpu(), heads.cpu()
-        values = gather_values(self.values[layer], table, chunk_ids, heads, chunk_size)
-        if not self.fp8:
-            return values
-        return dequantize_values(values, gather_scales(self.scales[layer], table, chunk_ids, heads), self.dtype)
+        out = None
+        for region, region_scales, pages, here in self._regions(table):
+            idx = chunk_ids.to(region.device), heads.to(region.device)
+            values = gather_values(region[layer], pages.to(region.device), *idx, chunk_size)
+            if self.fp8:
+                values = dequantize_values(values, gather_scales(region_scales[layer], pages.to(region.device), *idx),
+                                           self.dtype)
+            values = values.cpu()
+            chunk_here = here[chunk_ids * chunk_size // self.page_tokens]
+            out = values if out is None else torch.where(chunk_here[:, None, None], values, out)
+        return out
 
     def scales_of(self, layer: int) -> torch.Tensor | None:
         """One layer's fp8 scales (num_pages, page_chunks, Hkv); None when values are kept in the model's dtype."""
         return self.scales[layer] if self.fp8 else None
+
+    def device_region(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One layer of the device region: its values and fp8 scales, as the host's; None when it has no pages."""
+        if not self.device_pages.num_pages:
+            return None
+        return self.device_values[layer], self.device_scales[layer] if self.fp8 else None
 
     def fetch_bytes(self) -> int:
         """Host bytes read to fetch one chunk (chunk_size tokens) of one KV head."""
@@ -120,6 +189,18 @@ def _copy_rows(dst: torch.Tensor, pages: list[int], start: int, src: torch.Tenso
         run = dst.narrow(row_dim - 1, page, run_pages).flatten(row_dim - 1, row_dim)
         run.narrow(row_dim, offset, rows).copy_(src.narrow(row_dim, done, rows), non_blocking=non_blocking)
         done += rows
+
+
+def _runs(flags: list[bool], first: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in flags, numbered from `first`."""
+    runs, begin = [], None
+    for i, flag in enumerate(flags + [False]):
+        if flag and begin is None:
+            begin = i
+        elif not flag and begin is not None:
+            runs.append((first + begin, first + i))
+            begin = None
+    return runs
 
 
 def page_runs(pages: list[int], start: int, n: int, page_rows: int) -> list[tuple[int, int, int]]:

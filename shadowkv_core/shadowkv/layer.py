@@ -122,5 +122,8 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     d = keys.shape[-1]
     slots.sparse_k[s, layer].view(Hkv, K, C, d)[heads, slot_ids] = keys.to(slots.sparse_k.dtype)
     slots.sparse_v[s, layer].view(Hkv, K, C, d)[heads, slot_ids] = values.to(slots.sparse_v.device)
+    pages = st.host_table[(chunks * C // cache.host.page_tokens).cpu()]
+    from_device = int((pages >= cache.host.num_pages).sum())
     cache.step.fetched += chunks.shape[0]
-    cache.step.bytes_fetched += chunks.shape[0] * cache.host.fetch_bytes()
+    cache.step.from_device += from_device
+    cache.step.bytes_fetched += (chunks.shape[0] - from_device) * cache.host.fetch_bytes()
