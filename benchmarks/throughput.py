@@ -428,6 +428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=1 << 20, help="cap on every batch (short runs)")
     parser.add_argument("--gpu-util", type=float, default=0.9, help="share of GPU memory the memory model may plan")
     parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
+    parser.add_argument("--tier-share", type=float, default=None,
+                        help="device_value_share of the _tiered methods (default: the memory model's best)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="throughput.json", help="relative paths land in benchmarks/results/")
     parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
@@ -441,11 +443,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def tier_share_for(g: mm.Geometry, method: str, cfg: ShadowKVConfig, gpu: int, host: int, context: int,
-                   max_new: int) -> float:
-    """A _tiered method's device_value_share: the best for this context and memory (0 for the other methods)."""
+                   max_new: int, given: float | None) -> float:
+    """A _tiered method's device_value_share: `given`, or the best for this context and memory (0 for the other
+    methods)."""
     if "_tiered" not in method:
         return 0.0
-    return mm.best_device_value_share(g, method_setup(method, cfg)[0], gpu, host, context, max_new)
+    return given if given is not None else mm.best_device_value_share(g, method_setup(method, cfg)[0], gpu, host,
+                                                                       context, max_new)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = [(c, m) for c in args.contexts for m in args.methods]
     kept = earlier_rows(out, {(args.model, c, m) for c, m in tasks}) if args.merge else []
     for context, method in progress(tasks):
-        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens)
+        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, args.tier_share)
         dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
                               for c in (None, method_setup(method, cfg, tier_share)[0]))
         batches, profile_at = plan(method, dense_max, own_max)
