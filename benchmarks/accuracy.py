@@ -5,7 +5,8 @@ needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled t
 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
 per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
 rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys).
-shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head).
+shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head); shadowkv_fp8lm has its
+landmarks in fp8 as well (ShadowKVConfig.landmark_format).
 Writes benchmarks/results/accuracy.json (a list of rows), accuracy.meta.json (the runs: command, device, versions,
 timings; --merge adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method.
 
@@ -37,7 +38,7 @@ MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 
 
 def shadowkv_config(model: str, context: int, budget: float, rank_share: float = RANK_SHARE,
-                    value_format: str = "model") -> ShadowKVConfig:
+                    value_format: str = "model", landmark_format: str = "model") -> ShadowKVConfig:
     """The method's cache config for one context length; budget is a fraction of the context, rank_share one of
     kv_heads*head_dim."""
     cfg = read_config(Path(model))
@@ -46,15 +47,18 @@ def shadowkv_config(model: str, context: int, budget: float, rank_share: float =
     return ShadowKVConfig(rank=max(1, round(rank_share * width)), chunk_size=chunk,
                           sparse_budget=max(1, round(budget * context / chunk)) * chunk,
                           outlier_chunks=OUTLIER_CHUNKS, local_chunks=4,
-                          min_context=0, decode_window=128, value_format=value_format)
+                          min_context=0, decode_window=128, value_format=value_format,
+                          landmark_format=landmark_format)
 
 
 def run(model: str, method: str, budget: float, samples: list, device: str,
         rank_share: float = RANK_SHARE) -> tuple[list[str], list[float]]:
     """Greedy completions of same-length samples with one method; and the hit rate of each decode step."""
     context = len(samples[0].prompt_ids)
-    value_format = "fp8" if method == "shadowkv_fp8" else "model"
-    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share, value_format)
+    value_format = "fp8" if method in ("shadowkv_fp8", "shadowkv_fp8lm") else "model"
+    landmark_format = "fp8" if method == "shadowkv_fp8lm" else "model"
+    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share, value_format,
+                                                            landmark_format)
     # The PyTorch reference decode path for every method (Quest's scorer needs it; the kernels equal it by test)
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=16,
               gpu_cache_gib=2, host_cache_gib=2, use_kernels=False)
@@ -76,7 +80,7 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
     return [texts[i] for i in range(len(samples))], hit_rates
 
 
-METHODS = ("dense", "shadowkv", "quest", "shadowkv_fp8")  # shadowkv_fp8: ShadowKV with fp8 values on the host
+METHODS = ("dense", "shadowkv", "quest", "shadowkv_fp8", "shadowkv_fp8lm")  # fp8 values; and fp8 landmarks
 
 
 def methods(budgets: list[float], chosen=METHODS) -> list[tuple[str, float]]:

@@ -105,10 +105,10 @@ def run_scores(s, block_n=64):
                            s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
 
 
-def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4):
-    fetch_values(s["host"], s["host_table"], s["miss_chunks"], s["miss_slots"], s["num_miss"], s["slot_ids"],
-                 s["value_slots"], C, misses_per_program=misses_per_program, max_programs=max_programs,
-                 num_warps=num_warps)
+def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4, host=None, device_region=None):
+    fetch_values(s["host"] if host is None else host, s["host_table"], s["miss_chunks"], s["miss_slots"],
+                 s["num_miss"], s["slot_ids"], s["value_slots"], C, misses_per_program=misses_per_program,
+                 max_programs=max_programs, num_warps=num_warps, device_region=device_region)
 
 
 def run_rebuild(s, **tile):
@@ -180,6 +180,23 @@ def bench_tiles(s, d2d) -> None:
     rows = sorted((r for r in ROWS if r["kernel"] == "rebuild_keys tile"), key=lambda r: r["time_ms"])
     print(f"rebuild_keys: best {rows[0]['time_ms']:.4f} ms {rows[0]['tile']}, then "
           + ", ".join(f"{r['time_ms']:.4f} {r['tile']}" for r in rows[1:4]))
+
+
+def bench_device_region(s, h2d) -> None:
+    """The value fetch (all misses, the engine's 8 x 32 shape and the 66 x 4 one) with a share of the pages in a
+    device region (ShadowKVConfig.device_value_share): does its time fall with the host bytes?"""
+    pages = s["host"].shape[0]
+    for share, (mpp, programs) in itertools.product((0.0, 0.25, 0.5, 0.75, 0.95), ((32, 8), (4, 66), (4, None))):
+        on_host = round((1 - share) * pages)
+        region = (s["host"][on_host:].to(DEV), None, torch.zeros(1, dtype=torch.int32, device=DEV))
+        host = s["host"][:on_host]
+        ms = bench(lambda: run_fetch(s, mpp, programs, host=host, device_region=region))
+        host_bytes = round((1 - share) * s["misses"]) * C * D * 2
+        record("fetch_values device region", ms, host_bytes, h2d, batch=s["batch"], share=share,
+               misses_per_program=mpp, max_programs=programs)
+    for r in ROWS:
+        if r["kernel"] == "fetch_values device region":
+            print(f"share {r['share']:.2f} {r['misses_per_program']:>2} x {r['max_programs']}: {r['time_ms']:.3f} ms")
 
 
 def bench_fetch_rebuild(s, d2d, h2d, tag=""):
@@ -325,6 +342,8 @@ def main() -> None:
     parser.add_argument("--fetch-shapes-only", default=None, metavar="PATH",
                         help="only sweep the value fetch's shapes (all misses); write the best as misses:programs:warps "
                              "to PATH (benchmarks/throughput.py --fetch-grid)")
+    parser.add_argument("--device-region-only", action="store_true",
+                        help="only time the value fetch with a share of its pages in device memory (all misses)")
     parser.add_argument("--tiles-only", action="store_true",
                         help="only sweep the key rebuild's tiles (all misses)")
     args = parser.parse_args()
@@ -339,6 +358,10 @@ def main() -> None:
         with open(args.fetch_shapes_only, "w") as f:
             f.write(best + "\n")
         print(best)
+    elif args.device_region_only:
+        s["num_miss"].fill_(K)
+        s["misses"] = s["batch"] * HKV * K
+        bench_device_region(s, h2d)
     elif args.tiles_only:
         s["num_miss"].fill_(K)
         s["misses"] = s["batch"] * HKV * K

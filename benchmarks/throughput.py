@@ -12,7 +12,8 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
-Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv[_fp8][_tiered][_prefetch][_pipelined]
+Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_fp8lm (fp8 values and fp8 landmarks,
+ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_prefetch][_pipelined]
 (_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
 run's memory, so the device memory a host-bound batch leaves over holds values; _prefetch: speculative value
 prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf; each
@@ -42,7 +43,8 @@ from shadowkv_core.shadowkv.cache import ShadowKVCache
 
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
-                  "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined")
+                  "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
+                  "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered_pipelined")
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
@@ -72,7 +74,8 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
     shadow = {"dense": None, "hf": None, "shadowkv": cfg,
-              "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8")}[base]
+              "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
+              "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
     if prefetch:
         shadow = dataclasses.replace(shadow, prefetch=True)
     if tiered:
@@ -145,6 +148,8 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
         for pa, pb in zip(a.gpu_pages, b.gpu_pages):  # (L, pages, ...)
             cache.gpu.u[:, pb] = cache.gpu.u[:, pa]
             cache.gpu.landmarks[:, pb] = cache.gpu.landmarks[:, pa]
+            if cache.gpu.landmark_scales is not None:  # fp8 landmarks
+                cache.gpu.landmark_scales[:, pb] = cache.gpu.landmark_scales[:, pa]
         for pa, pb in zip(a.host_pages, b.host_pages):
             cache.host.copy_page(pa, pb)
         b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers

@@ -9,6 +9,8 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNK
   outlier_ids  (N, Hkv, O) int64               one layer of the slots' outlier chunk ids (stride over N free)
   slot_ids     (B,) int32                      slot of each sequence;  num_outliers (B,) int32 (<= O)
   scores       (B, Hkv, n_max) fp32 out        softmax prob, max over the group; -inf for outliers and padding
+  landmark_scales (P, PAGE_CHUNKS, Hkv) fp32    optional: landmarks are then float8_e4m3fn, a chunk's logit is
+                                               (q · its fp8 landmark, exact in the dot) * its scale
 Two launches: the first writes each block's logits (B, Hq, n_max) and its softmax partials (max, sum of exp) per
 query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
 landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
@@ -21,12 +23,13 @@ from kernels import MIN_HEAD_DIM
 
 
 @triton.jit
-def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_ptr, num_outliers_ptr,
+def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_ptr, num_outliers_ptr,
                    logits_ptr, part_m_ptr, part_l_ptr, scale,
-                   stride_qb, stride_lmp, stride_lmc, stride_tb, stride_on, stride_oh, stride_lb, stride_pb,
+                   stride_qb, stride_lmp, stride_lmc, stride_sp, stride_sc, stride_tb, stride_on, stride_oh, stride_lb,
+                   stride_pb,
                    N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_CHUNKS: tl.constexpr,
-                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(num_chunks_ptr + b)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -38,8 +41,14 @@ def _logits_kernel(q_ptr, lm_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_p
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_CHUNKS, mask=n_mask, other=0)
     lm_rows = page.to(tl.int64) * stride_lmp + (offs_n % PAGE_CHUNKS) * stride_lmc + h * HEAD_DIM
-    lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0)
+    if FP8:  # e4m3 converts exactly to the query's dtype; the chunk's scale multiplies its logit
+        lm = lm.to(tl.float8e4nv, bitcast=True).to(q.dtype)
     logits = tl.dot(q, tl.trans(lm), input_precision=DOT_PRECISION) * scale  # (GROUP_PAD, BLOCK_N) fp32
+    if FP8:
+        lm_scale = tl.load(lm_scales_ptr + page.to(tl.int64) * stride_sp + (offs_n % PAGE_CHUNKS) * stride_sc + h,
+                           mask=n_mask, other=1.0)
+        logits = logits * lm_scale[None, :]
     # Outliers are attended exactly: excluded from the softmax. O is small, a compare against all of them is cheap.
     slot = tl.load(slot_ptr + b)
     offs_o = tl.arange(0, OUTLIERS_PAD)
@@ -85,13 +94,22 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, stride_lb, st
 
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor,
                     outlier_ids: torch.Tensor, slot_ids: torch.Tensor, num_outliers: torch.Tensor, n_max: int,
-                    scale: float, block_n: int = 128) -> torch.Tensor:
-    """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size)."""
+                    scale: float, block_n: int = 64, landmark_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size).
+    block_n: 64, the fastest on an H200 at 122K x 8 (benchmarks/kernels.py)."""
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
     assert d_lm == d and Hq % Hkv == 0 and d == triton.next_power_of_2(d), (q.shape, landmarks.shape)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
-    assert q.dtype == landmarks.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    fp8 = landmark_scales is not None
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if fp8:
+        assert landmarks.dtype == torch.float8_e4m3fn and landmark_scales.dtype == torch.float32
+        assert landmark_scales.shape == (P, page_chunks, Hkv) and landmark_scales.is_contiguous()
+        landmarks = landmarks.view(torch.uint8)  # bit-cast back to e4m3 in the kernel
+    else:
+        assert landmarks.dtype == q.dtype
+        landmark_scales = landmarks  # not read
     assert q.is_contiguous() and landmarks.is_contiguous() and page_table.stride(1) == 1
     assert page_table.dtype == num_chunks.dtype == slot_ids.dtype == num_outliers.dtype == torch.int32
     assert num_chunks.shape == slot_ids.shape == num_outliers.shape == (B,) and page_table.shape[0] == B
@@ -104,12 +122,13 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
     scores = torch.empty(B, Hkv, n_max, dtype=torch.float32, device=q.device)
     group_pad = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows
     _logits_kernel[(num_blocks, Hkv, B)](
-        q, landmarks, page_table, num_chunks, outlier_ids, slot_ids, num_outliers, logits, part_m, part_l, scale,
-        q.stride(0), landmarks.stride(0), landmarks.stride(1), page_table.stride(0), outlier_ids.stride(0),
+        q, landmarks, landmark_scales, page_table, num_chunks, outlier_ids, slot_ids, num_outliers, logits, part_m,
+        part_l, scale, q.stride(0), landmarks.stride(0), landmarks.stride(1), landmark_scales.stride(0),
+        landmark_scales.stride(1), page_table.stride(0), outlier_ids.stride(0),
         outlier_ids.stride(1), logits.stride(0), part_m.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
         PAGE_CHUNKS=page_chunks, OUTLIERS_PAD=max(16, triton.next_power_of_2(outlier_ids.shape[2])),
-        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4)
     # Wider blocks here: each program first combines the partials of all blocks of its (sequence, KV head).
     score_block = min(1024, triton.next_power_of_2(n_max))
     _scores_kernel[(triton.cdiv(n_max, score_block), Hkv, B)](

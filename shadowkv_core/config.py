@@ -30,6 +30,9 @@ class ShadowKVConfig:
         from a speculative query (layer l+1's query projection of layer l's input) and the values it lacks are fetched
         into a staging area of the slot (two layers of sparse values); layer l+1 then copies its misses found there
         from the GPU instead of the host. It only moves work: results are the same.
+    landmark_format: how landmarks are kept on the GPU: "model" (the model's dtype) or "fp8" (e4m3 with one fp32
+        scale per chunk and KV head): half the bytes the per-step scoring reads, and half their GPU memory; the
+        selection then ranks chunks by the quantised landmarks.
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
         first pages, rounded down to whole pages): a hit there costs no PCIe. For a replica whose batch the host
         memory bounds while device memory is left over (memory_model.best_device_value_share); 0 keeps every value
@@ -46,6 +49,7 @@ class ShadowKVConfig:
     page_chunks: int = 16
     value_format: str = "model"
     prefetch: bool = False
+    landmark_format: str = "model"
     device_value_share: float = 0.0
 
     def __post_init__(self):
@@ -61,6 +65,8 @@ class ShadowKVConfig:
         _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
         _require(0.0 <= self.device_value_share <= 1.0,
                  f"device_value_share must be in [0, 1], got {self.device_value_share}")
+        _require(self.landmark_format in VALUE_FORMATS,
+                 f"landmark_format must be one of {VALUE_FORMATS}, got {self.landmark_format!r}")
         _require(self.value_format in VALUE_FORMATS,
                  f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,

@@ -103,8 +103,12 @@ def page_tokens(cfg: ShadowKVConfig) -> int:
 
 
 def gpu_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
-    """U rows (page_tokens, rank) and landmarks (page_chunks, Hkv, d) of every layer."""
-    return g.num_layers * (page_tokens(cfg) * cfg.rank + cfg.page_chunks * g.kv_width) * g.dtype_bytes
+    """U rows (page_tokens, rank) and landmarks (page_chunks, Hkv, d) of every layer; fp8 landmarks with an fp32
+    scale per chunk and KV head."""
+    u = page_tokens(cfg) * cfg.rank * g.dtype_bytes
+    if cfg.landmark_format == "fp8":
+        return g.num_layers * (u + cfg.page_chunks * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES))
+    return g.num_layers * (u + cfg.page_chunks * g.kv_width * g.dtype_bytes)
 
 
 def host_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:

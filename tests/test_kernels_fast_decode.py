@@ -68,12 +68,15 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
     return caches, rotary
 
 
-@pytest.mark.parametrize("value_format,fast_share", [("model", 0.0), ("fp8", 0.0), ("model", 0.5), ("fp8", 0.3)])
+@pytest.mark.parametrize("value_format,fast_share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
+                                                               ("model", 0.5, "model"), ("fp8", 0.3, "fp8")])
 @pytest.mark.parametrize("dtype", [torch.float32])
-def test_fast_decode_equals_reference(dtype, value_format, fast_share, device=DEVICE, prompt_lens=(150, 61, 97),
-                                      steps=12):
-    """fast_share: the fast path reads part of the values from its device region, the reference all from the host."""
-    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format)
+def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, device=DEVICE,
+                                      prompt_lens=(150, 61, 97), steps=12):
+    """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
+    landmarks: their format on both."""
+    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
+                                landmark_format=landmarks)
     if fast_share:
         assert caches[1].host.device_pages.num_free < caches[1].host.device_pages.num_pages
     for step in range(steps):
@@ -116,10 +119,11 @@ def test_speculative_prefetch_only_moves_work_gpu_bf16(value_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value_format,fast_share", [("model", 0.0), ("fp8", 0.0), ("fp8", 0.4)])
-def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share):
-    test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, device="cuda", prompt_lens=(1500, 611, 977, 2048),
-                                      steps=20)
+@pytest.mark.parametrize("value_format,fast_share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
+                                                               ("fp8", 0.4, "fp8")])
+def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share, landmarks):
+    test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, landmarks, device="cuda",
+                                      prompt_lens=(1500, 611, 977, 2048), steps=20)
 
 
 @pytest.mark.gpu

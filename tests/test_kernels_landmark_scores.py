@@ -4,6 +4,7 @@ import torch
 from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, slot_ids_for
 from kernels.landmark_scores import landmark_scores
 from shadowkv_core.shadowkv.batched_reference import landmark_scores_batched
+from shadowkv_core.shadowkv.reference import quantize_values
 
 
 def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed):
@@ -25,12 +26,19 @@ def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, se
             outlier_ids.to(device), slot_ids.to(device), num_outliers.to(device))
 
 
-def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0):
+def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0, fp8=False):
+    """fp8: landmarks quantised per chunk and KV head; the reference scores their fp32 dequantised values."""
     args = _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed)
     n_max = max(num_chunks) + 3  # a bucket larger than the longest sequence
     scale = d ** -0.5
-    expected = landmark_scores_batched(*args, n_max, scale)
-    got = landmark_scores(*args, n_max, scale)
+    if fp8:
+        magnitude = torch.exp(2 * torch.randn(*args[1].shape[:3], 1, device=device))  # rows of unlike size
+        lm8, lm_scales = quantize_values(args[1].float() * magnitude, 1)
+        expected = landmark_scores_batched(args[0], lm8.float() * lm_scales[..., None], *args[2:], n_max, scale)
+        got = landmark_scores(args[0], lm8, *args[2:], n_max, scale, landmark_scales=lm_scales)
+    else:
+        expected = landmark_scores_batched(*args, n_max, scale)
+        got = landmark_scores(*args, n_max, scale)
     # fp32 softmax either way: only the order of the fp32 sums differs.
     assert_close(got, expected, dtype, "landmark scores", tol=(1e-6, 1e-4))
 
@@ -41,10 +49,16 @@ def test_landmark_scores_small(num_chunks, Hq, Hkv, dtype):
     _check(num_chunks, Hq, Hkv, 32, 6, 4, dtype, DEVICE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_landmark_scores_fp8_landmarks_scale_each_chunk(dtype):
+    _check([37, 5, 70], 8, 2, 32, 6, 4, dtype, DEVICE, seed=2, fp8=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 16), (128 * 1024, 4)])
-def test_landmark_scores_llama(context, batch):
+def test_landmark_scores_llama(context, batch, fp8):
     C = LLAMA["chunk_size"]
     num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
-           torch.bfloat16, "cuda")
+           torch.bfloat16, "cuda", fp8=fp8)

@@ -48,17 +48,19 @@ def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
     assert mm.Geometry.from_spec(spec, torch.float32).weight_bytes == sum(params.values())
 
 
-@pytest.mark.parametrize("value_format,share", [("model", 0.0), ("fp8", 0.0), ("model", 0.4), ("fp8", 0.55)])
-def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share):
+@pytest.mark.parametrize("value_format,share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
+                                                          ("model", 0.4, "fp8"), ("fp8", 0.55, "fp8")])
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share, landmarks):
     path = build_tiny_model(tmp_path)
     cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
                          min_context=32, decode_window=16, page_chunks=4, value_format=value_format,
-                         device_value_share=share)
+                         device_value_share=share, landmark_format=landmarks)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
     cache = engine.cache
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
-    device_values = [t for t in (cache.host.device_values, cache.host.device_scales) if t is not None]
+    device_values = [t for t in (cache.host.device_values, cache.host.device_scales, cache.gpu.landmark_scales)
+                     if t is not None]
     allocated_gpu = sum(t.numel() * t.element_size() for t in
                         (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *cache.slots.buffers,
                          *device_values))
@@ -89,6 +91,15 @@ def test_fp8_values_halve_the_host_bytes_and_double_a_host_bound_batch():
     assert host_fp8 / host_model == pytest.approx(0.5, abs=0.01)  # e4m3 + one fp32 scale per 8 tokens of a head
     gpu, host = 139 * mm.GIB, 100 * mm.GIB
     assert mm.capacity(g, fp8, gpu, host, [122880], 128) == 2 * mm.capacity(g, model, gpu, host, [122880], 128)
+
+
+def test_fp8_landmarks_halve_the_landmark_bytes():
+    g = mm.PRESETS["llama-3.1-8b"]
+    model, fp8 = ShadowKVConfig(), ShadowKVConfig(landmark_format="fp8")
+    u = g.num_layers * mm.page_tokens(model) * model.rank * g.dtype_bytes
+    landmarks = mm.gpu_page_bytes(g, model) - u
+    assert landmarks == g.num_layers * model.page_chunks * g.kv_width * 2
+    assert mm.gpu_page_bytes(g, fp8) - u == landmarks // 2 + g.num_layers * model.page_chunks * g.num_kv_heads * 4
 
 
 def test_cli_prints_dense_and_shadowkv_capacity(capsys):

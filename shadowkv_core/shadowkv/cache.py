@@ -65,7 +65,7 @@ class ShadowKVCache(KVCache):
         self.device = torch.device(device)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.gpu = GpuPages(num_layers, num_gpu_pages, config.page_chunks, config.chunk_size, config.rank, num_kv_heads,
-                            head_dim, dtype, device)
+                            head_dim, dtype, device, config.landmark_format)
         self.host = HostValueStore(num_layers, num_host_pages, self.gpu.page_tokens, num_kv_heads, head_dim, dtype,
                                    pin=self.device.type == "cuda", placement=placement,
                                    value_format=config.value_format, chunk_size=config.chunk_size,
@@ -79,19 +79,22 @@ class ShadowKVCache(KVCache):
         self.use_kernels = kernels_by_default(device, head_dim) if use_kernels is None else use_kernels
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else None
-        # The value fetch runs as 8 persistent programs of 32 missed chunks at a time: with that much in flight each,
-        # 8 multiprocessors move the full host-to-device bandwidth (H200: 50.9 GB/s, as 66 programs of 4 misses did),
-        # and the others stay free for the work beside it (the key rebuild; in pipelined halves the other half's
-        # layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only; docs/benchmarks.md.
-        # fp8 rows carry half the bytes per miss, so twice the programs keep as much in flight (122K x 26, fp8,
-        # pipelined: fetch 41.5 -> 36.5 ms per step, step 60.0 -> 56.7 ms; benchmarks/results/fetch_grid/).
-        self.fetch_programs = (16 if config.value_format == "fp8" else 8) if self.device.type == "cuda" else None
-        self.fetch_misses_per_program, self.fetch_warps = 32, 4  # chunks each program moves at a time; its warps
-        if config.prefetch and self.device.type == "cuda":
-            # With a prefetch each miss is first looked up in the staged list: few programs of many misses
-            # serialise that search (122K x 8: 284 ms a step with 8 x 32, 35.1 ms with 66 x 4;
-            # benchmarks/results/prefetch_grid_8x32.json and _66x4.json).
-            self.fetch_programs, self.fetch_misses_per_program = 66, 4
+        # Values in the model's dtype are fetched by 8 persistent programs of 32 missed chunks at a time: with that
+        # much in flight each, 8 multiprocessors move the full host-to-device bandwidth (H200: 50.9 GB/s, as 66
+        # programs of 4 misses did), and the others stay free for the work beside it (the key rebuild; in pipelined
+        # halves the other half's layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only.
+        # Otherwise 66 programs of 4 misses:
+        # - fp8 values, pipelined, 122K on an H200 (this session's kernels): 545 against 519 tok/s for 16 x 32 at 26,
+        #   300 against 272 at 8 (benchmarks/results/fetch_grid/fp8_66x4.json against throughput.json);
+        # - a prefetch looks each miss up in its staged list, which a program of many misses serialises (122K x 8:
+        #   284 ms a step with 8 x 32, 35.1 ms with 66 x 4; prefetch_grid_8x32.json, _66x4.json);
+        # - with a device value region a program's device misses wait on its host ones, so time tracks host bytes
+        #   only with few misses per program (122K x 13, all misses: 32 x 8 takes 0.67 ms with 95 % of the pages on
+        #   the device, 66 x 4 0.26; kernel_device_region.json).
+        few_per_program = config.value_format == "fp8" or config.prefetch or config.device_value_share > 0
+        self.fetch_programs, self.fetch_misses_per_program = (66, 4) if few_per_program else (8, 32)
+        self.fetch_programs = self.fetch_programs if self.device.type == "cuda" else None
+        self.fetch_warps = 4
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
         self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)

@@ -151,7 +151,7 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
     """Score the landmarks and pick the top-k chunks -> (B, Hkv, k_max), by score as reference.select_chunks."""
     scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
                              cache.slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max,
-                             cache.scale)
+                             cache.scale, landmark_scales=cache.gpu.landmark_scales_of(layer))
     return topk_indices(scores, plan.k_max)
 
 

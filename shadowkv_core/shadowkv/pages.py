@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.dense_cache import BlockAllocator
+from shadowkv_core.shadowkv.reference import FP8, quantize_values
 
 
 def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,13 +31,19 @@ class PagePool(BlockAllocator):
 
 class GpuPages(PagePool):
     def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 landmark_format: str = "model"):
+        """landmark_format "fp8": landmarks as e4m3 with one fp32 scale per chunk and KV head (landmark_scales)."""
         self.page_chunks = page_chunks
         self.page_tokens = page_chunks * chunk_size
         self.u = torch.zeros(num_layers, num_pages, self.page_tokens, rank, dtype=dtype, device=device)
-        self.landmarks = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, head_dim, dtype=dtype,
-                                     device=device)
-        page_bytes = (self.u[:, 0].numel() + self.landmarks[:, 0].numel()) * self.u.element_size()
+        fp8 = landmark_format == "fp8"
+        self.landmarks = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, head_dim,
+                                     dtype=FP8 if fp8 else dtype, device=device)
+        self.landmark_scales = torch.ones(num_layers, num_pages, page_chunks, num_kv_heads, device=device) \
+            if fp8 else None
+        page_bytes = sum(t[:, 0].numel() * t.element_size() for t in (self.u, self.landmarks, self.landmark_scales)
+                         if t is not None)
         super().__init__(num_pages, page_bytes, f"GPU shadow pages of {self.page_tokens} tokens")
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
@@ -52,9 +59,20 @@ class GpuPages(PagePool):
         """Landmarks ([L,] n, Hkv, d) of chunks [start, start + n), for one layer or a slice of layers."""
         rows = torch.arange(start, start + lm.shape[-3], device=table.device)
         page, offset = locate(table, rows, self.page_chunks)
+        if self.landmark_scales is not None:
+            lm, scales = quantize_values(lm, 1)  # one scale per chunk and KV head
+            self.landmark_scales[layers, page, offset] = scales
         self.landmarks[layers, page, offset] = lm.to(self.landmarks.dtype)
 
     def read_landmarks(self, layer: int, table: torch.Tensor, num_chunks: int) -> torch.Tensor:
-        """Landmarks of chunks [0, num_chunks): (n, Hkv, d)."""
+        """Landmarks of chunks [0, num_chunks): (n, Hkv, d); fp8 ones dequantised to fp32 (value * scale, as the
+        scoring kernel's logits take them)."""
         rows = torch.arange(num_chunks, device=table.device)
-        return self.landmarks[layer][locate(table, rows, self.page_chunks)]
+        where = locate(table, rows, self.page_chunks)
+        if self.landmark_scales is None:
+            return self.landmarks[layer][where]
+        return self.landmarks[layer][where].float() * self.landmark_scales[layer][where][..., None]
+
+    def landmark_scales_of(self, layer: int) -> torch.Tensor | None:
+        """One layer's fp8 landmark scales (num_pages, page_chunks, Hkv); None for landmarks in the model's dtype."""
+        return None if self.landmark_scales is None else self.landmark_scales[layer]
