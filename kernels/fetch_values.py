@@ -32,8 +32,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr, miss_slots_ptr,
-                         num_miss_ptr, slot_ptr, out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr,
+def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr,
+                         miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr,
                          staged_hits_ptr, num_items, num_host_pages,
                          stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
                          stride_on, stride_oh, stride_gn, stride_gh,
@@ -158,8 +158,8 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     num_items = B * Hkv * blocks
     grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
-        host_values, host_scales, dev_values, dev_scales, dev_hits, host_table, miss_chunks, miss_slots, num_miss, slot_ids,
-        value_slots, stage_chunks, stage_count, stage_values, staged_hits, num_items, P,
+        host_values, host_scales, dev_values, dev_scales, dev_hits, host_table, miss_chunks, miss_slots, num_miss,
+        slot_ids, value_slots, stage_chunks, stage_count, stage_values, staged_hits, num_items, P,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
         value_slots.stride(0), value_slots.stride(1), stage_values.stride(0), stage_values.stride(1),

@@ -181,8 +181,10 @@ class Pools:
     num_device_value_pages: int = 0
 
     def gpu_bytes(self, g: Geometry, cfg: ShadowKVConfig | None, block_size: int) -> int:
-        shadow = 0 if cfg is None else (self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
-                                        + self.num_device_value_pages * host_page_bytes(g, cfg))
+        if cfg is None:
+            return self.num_dense_blocks * dense_block_bytes(g, block_size)
+        shadow = (self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
+                  + self.num_device_value_pages * host_page_bytes(g, cfg))
         return shadow + self.num_dense_blocks * dense_block_bytes(g, block_size)
 
     def host_bytes(self, g: Geometry, cfg: ShadowKVConfig | None) -> int:
@@ -214,11 +216,9 @@ def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, 
     need = engine_seq_bytes(g, cfg, context, max_new_tokens, block_size)
     if cfg.stays_dense(context, max_new_tokens):
         return batch * need.gpu, 0
-    pages = shadow_pages(cfg, context + max_new_tokens)
-    reserved = need.gpu - pages * gpu_page_bytes(g, cfg) - device_value_pages(cfg, pages) * host_page_bytes(g, cfg)
-    pool_pages = batch * pages
-    gpu = batch * reserved + pool_pages * gpu_page_bytes(g, cfg) + device_value_pages(cfg, pool_pages) * \
-        host_page_bytes(g, cfg)
+    pool_pages = batch * shadow_pages(cfg, context + max_new_tokens)
+    gpu = (batch * reserved_seq_bytes(g, cfg, block_size) + pool_pages * gpu_page_bytes(g, cfg)
+           + device_value_pages(cfg, pool_pages) * host_page_bytes(g, cfg))
     return gpu, batch * need.host
 
 
@@ -269,13 +269,19 @@ def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: 
             + decode_workspace_bytes(g, max_num_seqs) + context_bytes)
 
 
+def reserved_seq_bytes(g: Geometry, cfg: ShadowKVConfig, block_size: int = 16) -> int:
+    """What every sequence of a ShadowKV engine holds on the GPU, long or short: a slot and a dense reservation for
+    min_context tokens (plan_pools)."""
+    return slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
+
+
 def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
                      block_size: int = 16) -> SeqBytes:
     """What one more sequence costs an engine sized for it: in a ShadowKV engine each of max_num_seqs holds a slot
     and a dense reservation for a short sequence (plan_pools), plus pages when it is long."""
     if cfg is None:
         return seq_bytes(g, None, context, max_new_tokens, block_size)
-    reserved = slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
+    reserved = reserved_seq_bytes(g, cfg, block_size)
     if cfg.stays_dense(context, max_new_tokens):
         return SeqBytes(reserved, 0)
     pages = shadow_seq_bytes(g, cfg, context + max_new_tokens)

@@ -92,8 +92,8 @@ class ShadowKVCache(KVCache):
         #   only with few misses per program (122K x 13, all misses: 32 x 8 takes 0.67 ms with 95 % of the pages on
         #   the device, 66 x 4 0.26; kernel_device_region.json).
         few_per_program = config.value_format == "fp8" or config.prefetch or config.device_value_share > 0
-        self.fetch_programs, self.fetch_misses_per_program = (66, 4) if few_per_program else (8, 32)
-        self.fetch_programs = self.fetch_programs if self.device.type == "cuda" else None
+        programs, self.fetch_misses_per_program = (66, 4) if few_per_program else (8, 32)
+        self.fetch_programs = programs if self.device.type == "cuda" else None  # None: one program per work item
         self.fetch_warps = 4
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
@@ -110,7 +110,6 @@ class ShadowKVCache(KVCache):
         host, device = (self.host.num_free, self.host.device_pages.num_free) if free else \
             (self.host.num_pages, self.host.device_pages.num_pages)
         return n - d <= host and d <= device
-
 
     def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
         if self.config.stays_dense(prompt_len, max_new_tokens):

@@ -125,16 +125,17 @@ class HostValueStore(PagePool):
                                  f"[{start}, {start + n})")
             values, scales = quantize_values(values, C)
         values = values.to(self.values.dtype)
+        first_page = start // self.page_tokens
+        logical = torch.arange(first_page, -(-(start + n) // self.page_tokens))  # the pages the tokens touch
         for region, region_scales, pages, here in self._regions(table):
-            logical = torch.arange(start // self.page_tokens, -(-(start + n) // self.page_tokens))
-            for first, last in _runs(here[logical].tolist(), int(logical[0]) if len(logical) else 0):
+            async_copy = self.pinned and values.is_cuda and region.device.type == "cpu"
+            pages = pages.tolist()
+            for first, last in _runs(here[logical].tolist(), first_page):  # runs of pages in this region
                 lo, hi = max(start, first * self.page_tokens), min(start + n, last * self.page_tokens)
-                async_copy = self.pinned and values.is_cuda and region.device.type == "cpu"
-                rows = values.narrow(-3, lo - start, hi - lo)
                 if self.fp8:
-                    _copy_rows(region_scales[layers], pages.tolist(), lo // C,
+                    _copy_rows(region_scales[layers], pages, lo // C,
                                scales.narrow(-2, (lo - start) // C, (hi - lo) // C), 1, async_copy)
-                _copy_rows(region[layers], pages.tolist(), lo, rows, 2, async_copy)
+                _copy_rows(region[layers], pages, lo, values.narrow(-3, lo - start, hi - lo), 2, async_copy)
                 if async_copy:
                     self._written = torch.cuda.Event()
                     self._written.record()
