@@ -27,6 +27,7 @@ from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import rebuild_keys
 from kernels.topk import topk_indices
+from shadowkv_core.shadowkv.reference import quantize_values
 
 HQ, HKV, D, RANK, C, K, O, LOCAL, LAYERS = 32, 8, 128, 160, 8, 256, 48, 4, 32  # Llama-3.1-8B, ShadowKV defaults
 PAGE_CHUNKS, DTYPE, DEV = 16, torch.bfloat16, "cuda"
@@ -80,8 +81,11 @@ def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
     s["landmarks"] = torch.randn(num_pages, PAGE_CHUNKS, HKV, D, device=DEV, dtype=DTYPE)
     s["u"] = torch.randn(num_pages, PAGE_CHUNKS * C, RANK, device=DEV, dtype=DTYPE)
     s["sv"] = torch.randn(batch, HKV, RANK, D, device=DEV, dtype=DTYPE) / RANK ** 0.5
-    s["outlier_ids"] = torch.rand(batch, HKV, n, device=DEV).argsort(-1)[..., :O].sort(-1).values
-    s["num_outliers"] = torch.full((batch,), O, dtype=torch.int32, device=DEV)
+    s["outlier_flags"] = torch.zeros(num_pages, PAGE_CHUNKS, HKV, dtype=torch.uint8, device=DEV)
+    ids = torch.rand(batch, HKV, n, device=DEV).argsort(-1)[..., :O]  # O outliers per sequence and KV head
+    heads = torch.arange(HKV, device=DEV)[None, :, None].expand_as(ids)
+    s["outlier_flags"][s["gpu_table"].gather(1, (ids // PAGE_CHUNKS).flatten(1)).view_as(ids).long(),
+                       ids % PAGE_CHUNKS, heads] = 1
     s["host"] = torch.randn(num_pages, PAGE_CHUNKS * C, HKV, D, dtype=DTYPE).pin_memory()
     s["host_table"] = s["gpu_table"]
     m = round((1 - hit_rate) * K)
@@ -100,9 +104,10 @@ def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
     return s
 
 
-def run_scores(s, block_n=64):
-    return landmark_scores(s["q"], s["landmarks"], s["gpu_table"], s["num_chunks"], s["outlier_ids"], s["slot_ids"],
-                           s["num_outliers"], s["n"], D ** -0.5, block_n=block_n)
+def run_scores(s, block_n=64, num_warps=4, fp8=False):
+    lm, scales = (s["landmarks_fp8"], s["landmark_scales"]) if fp8 else (s["landmarks"], None)
+    return landmark_scores(s["q"], lm, s["gpu_table"], s["num_chunks"], s["outlier_flags"], s["n"], D ** -0.5,
+                           block_n=block_n, num_warps=num_warps, landmark_scales=scales)
 
 
 def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4, host=None, device_region=None):
@@ -147,12 +152,17 @@ def run_attention(s):
     return decode_attention(s["q"], segments, s["slot_ids"], D ** -0.5, sum((O * C, K * C, LOCAL * C + 512)))
 
 
-def bench_scores(s, d2d):
+def bench_scores(s, d2d, sweep=False):
+    """The scoring kernel's tiles (block_n x num_warps; with `sweep` a wider grid), bf16 and fp8 landmarks."""
     B, n = s["batch"], s["n"]
-    nbytes = B * n * HKV * D * 2 + B * HQ * n * 4 * 2 + B * HKV * n * 4  # landmarks; logits w+r; scores
-    best = min((bench(lambda: run_scores(s, bn)), bn) for bn in (64, 128, 256))
-    record("landmark_scores", best[0], nbytes, d2d, batch=B, context=n * C, block_n=best[1],
-           eager_ms=bench_eager(lambda: run_scores(s, best[1])))
+    s["landmarks_fp8"], s["landmark_scales"] = quantize_values(s["landmarks"], 1)
+    tiles = list(itertools.product((32, 64, 128), (2, 4, 8))) if sweep else [(64, 4), (128, 4), (256, 4)]
+    for fp8, lm_bytes in ((False, D * 2), (True, D + 4)):
+        nbytes = B * n * HKV * (lm_bytes + 1) + B * HQ * n * 4 * 2 + B * HKV * n * 4  # landmarks, flags; logits; scores
+        times = sorted((bench(lambda: run_scores(s, bn, w, fp8)), bn, w) for bn, w in tiles)
+        for ms, bn, w in times if sweep else times[:1]:
+            record("landmark_scores" + (" (fp8 landmarks)" if fp8 else ""), ms, nbytes, d2d, batch=B, context=n * C,
+                   block_n=bn, num_warps=w, eager_ms=bench_eager(lambda: run_scores(s, bn, w, fp8)))
     scores = run_scores(s)
     record("topk (torch.topk)", bench(lambda: scores.topk(K, dim=-1)), scores.numel() * 4, d2d, batch=B,
            eager_ms=bench_eager(lambda: scores.topk(K, dim=-1)))
@@ -346,6 +356,8 @@ def main() -> None:
                         help="only time the value fetch with a share of its pages in device memory (all misses)")
     parser.add_argument("--tiles-only", action="store_true",
                         help="only sweep the key rebuild's tiles (all misses)")
+    parser.add_argument("--scores-only", action="store_true",
+                        help="only sweep the landmark scoring kernel's tiles (bf16 and fp8 landmarks)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.time()
@@ -366,6 +378,8 @@ def main() -> None:
         s["num_miss"].fill_(K)
         s["misses"] = s["batch"] * HKV * K
         bench_tiles(s, d2d)
+    elif args.scores_only:
+        bench_scores(s, d2d, sweep=True)
     else:
         run_all(s, d2d, h2d, args)
     write_and_print(args, start)

@@ -145,11 +145,9 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
         a, b = cache.seqs[src], cache.seqs[dst]
         for buf in cache.slots.buffers:  # (slots, ...)
             buf[b.slot] = buf[a.slot]
-        for pa, pb in zip(a.gpu_pages, b.gpu_pages):  # (L, pages, ...)
-            cache.gpu.u[:, pb] = cache.gpu.u[:, pa]
-            cache.gpu.landmarks[:, pb] = cache.gpu.landmarks[:, pa]
-            if cache.gpu.landmark_scales is not None:  # fp8 landmarks
-                cache.gpu.landmark_scales[:, pb] = cache.gpu.landmark_scales[:, pa]
+        for pa, pb in zip(a.gpu_pages, b.gpu_pages):
+            for buf in cache.gpu.buffers:  # (L, pages, ...)
+                buf[:, pb] = buf[:, pa]
         for pa, pb in zip(a.host_pages, b.host_pages):
             cache.host.copy_page(pa, pb)
         b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers

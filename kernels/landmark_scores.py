@@ -6,14 +6,16 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNK
   landmarks    (P, PAGE_CHUNKS, Hkv, d)        one layer of the GPU pages, contiguous
   page_table   (B, max_pages) int32            physical page of each logical page of each sequence
   num_chunks   (B,) int32                      shadow chunks per sequence (ragged)
-  outlier_ids  (N, Hkv, O) int64               one layer of the slots' outlier chunk ids (stride over N free)
-  slot_ids     (B,) int32                      slot of each sequence;  num_outliers (B,) int32 (<= O)
+  outlier_flags (P, PAGE_CHUNKS, Hkv) uint8    one layer of the GPU pages: nonzero where the chunk is an outlier of
+                                               its KV head (attended exactly, so left out of the softmax)
   scores       (B, Hkv, n_max) fp32 out        softmax prob, max over the group; -inf for outliers and padding
   landmark_scales (P, PAGE_CHUNKS, Hkv) fp32    optional: landmarks are then float8_e4m3fn, a chunk's logit is
                                                (q · its fp8 landmark, exact in the dot) * its scale
 Two launches: the first writes each block's logits (B, Hq, n_max) and its softmax partials (max, sum of exp) per
 query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
 landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
+Outliers are flagged on the pages beside their landmarks: comparing each chunk with a list of its sequence's outlier
+ids instead took a third of the kernel's time (H200, 122K x 13: 0.17 -> 0.11 ms without it).
 """
 import torch
 import triton
@@ -23,13 +25,13 @@ from kernels import MIN_HEAD_DIM
 
 
 @triton.jit
-def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, outlier_ptr, slot_ptr, num_outliers_ptr,
-                   logits_ptr, part_m_ptr, part_l_ptr, scale,
-                   stride_qb, stride_lmp, stride_lmc, stride_sp, stride_sc, stride_tb, stride_on, stride_oh, stride_lb,
-                   stride_pb,
+def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, flags_ptr, logits_ptr, part_m_ptr,
+                   part_l_ptr, scale,
+                   stride_qb, stride_lmp, stride_lmc, stride_sp, stride_sc, stride_fp, stride_fc, stride_tb,
+                   stride_lb, stride_pb,
                    N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_CHUNKS: tl.constexpr,
-                   OUTLIERS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(num_chunks_ptr + b)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -49,13 +51,9 @@ def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, outl
         lm_scale = tl.load(lm_scales_ptr + page.to(tl.int64) * stride_sp + (offs_n % PAGE_CHUNKS) * stride_sc + h,
                            mask=n_mask, other=1.0)
         logits = logits * lm_scale[None, :]
-    # Outliers are attended exactly: excluded from the softmax. O is small, a compare against all of them is cheap.
-    slot = tl.load(slot_ptr + b)
-    offs_o = tl.arange(0, OUTLIERS_PAD)
-    out_ids = tl.load(outlier_ptr + slot * stride_on + h * stride_oh + offs_o,
-                      mask=offs_o < tl.load(num_outliers_ptr + b), other=-1)
-    excluded = tl.sum((offs_n[:, None] == out_ids[None, :]).to(tl.int32), 1) > 0
-    valid = n_mask & ~excluded
+    outlier = tl.load(flags_ptr + page.to(tl.int64) * stride_fp + (offs_n % PAGE_CHUNKS) * stride_fc + h,
+                      mask=n_mask, other=1)
+    valid = n_mask & (outlier == 0)
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m = tl.max(logits, 1)  # (GROUP_PAD,)
     p = tl.where(valid[None, :], tl.exp(logits - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
@@ -93,10 +91,10 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, stride_lb, st
 
 
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor,
-                    outlier_ids: torch.Tensor, slot_ids: torch.Tensor, num_outliers: torch.Tensor, n_max: int,
-                    scale: float, block_n: int = 64, landmark_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    outlier_flags: torch.Tensor, n_max: int, scale: float, block_n: int = 128, num_warps: int = 4,
+                    landmark_scales: torch.Tensor | None = None) -> torch.Tensor:
     """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size).
-    block_n: 64, the fastest on an H200 at 122K x 8 (benchmarks/kernels.py)."""
+    block_n x num_warps: 128 x 4, the fastest on an H200 at 122K x 16 (bf16 and fp8 landmarks; kernel_scores.json)."""
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
     assert d_lm == d and Hq % Hkv == 0 and d == triton.next_power_of_2(d), (q.shape, landmarks.shape)
@@ -111,9 +109,10 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
         assert landmarks.dtype == q.dtype
         landmark_scales = landmarks  # not read
     assert q.is_contiguous() and landmarks.is_contiguous() and page_table.stride(1) == 1
-    assert page_table.dtype == num_chunks.dtype == slot_ids.dtype == num_outliers.dtype == torch.int32
-    assert num_chunks.shape == slot_ids.shape == num_outliers.shape == (B,) and page_table.shape[0] == B
-    assert outlier_ids.dtype == torch.int64 and outlier_ids.shape[1] == Hkv and outlier_ids.stride(2) == 1
+    assert page_table.dtype == num_chunks.dtype == torch.int32
+    assert num_chunks.shape == (B,) and page_table.shape[0] == B
+    assert outlier_flags.dtype == torch.uint8 and outlier_flags.shape == (P, page_chunks, Hkv)
+    assert outlier_flags.stride(2) == 1
     G = Hq // Hkv
     num_blocks = triton.cdiv(n_max, block_n)
     logits = torch.empty(B, Hq, n_max, dtype=torch.float32, device=q.device)
@@ -122,13 +121,11 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
     scores = torch.empty(B, Hkv, n_max, dtype=torch.float32, device=q.device)
     group_pad = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows
     _logits_kernel[(num_blocks, Hkv, B)](
-        q, landmarks, landmark_scales, page_table, num_chunks, outlier_ids, slot_ids, num_outliers, logits, part_m,
-        part_l, scale, q.stride(0), landmarks.stride(0), landmarks.stride(1), landmark_scales.stride(0),
-        landmark_scales.stride(1), page_table.stride(0), outlier_ids.stride(0),
-        outlier_ids.stride(1), logits.stride(0), part_m.stride(0),
-        N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d,
-        PAGE_CHUNKS=page_chunks, OUTLIERS_PAD=max(16, triton.next_power_of_2(outlier_ids.shape[2])),
-        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4)
+        q, landmarks, landmark_scales, page_table, num_chunks, outlier_flags, logits, part_m, part_l, scale,
+        q.stride(0), landmarks.stride(0), landmarks.stride(1), landmark_scales.stride(0), landmark_scales.stride(1),
+        outlier_flags.stride(0), outlier_flags.stride(1), page_table.stride(0), logits.stride(0), part_m.stride(0),
+        N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_CHUNKS=page_chunks,
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=num_warps)
     # Wider blocks here: each program first combines the partials of all blocks of its (sequence, KV head).
     score_block = min(1024, triton.next_power_of_2(n_max))
     _scores_kernel[(triton.cdiv(n_max, score_block), Hkv, B)](

@@ -22,6 +22,7 @@ from .config import VALUE_FORMATS, ShadowKVConfig
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
 FP8_SCALE_BYTES = 4  # fp32 scale of one chunk of one KV head's fp8 values
+OUTLIER_FLAG_BYTES = 1  # uint8 per chunk and KV head on the GPU pages: 1 for an outlier
 GIB = 1 << 30
 
 
@@ -103,12 +104,13 @@ def page_tokens(cfg: ShadowKVConfig) -> int:
 
 
 def gpu_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
-    """U rows (page_tokens, rank) and landmarks (page_chunks, Hkv, d) of every layer; fp8 landmarks with an fp32
-    scale per chunk and KV head."""
+    """U rows (page_tokens, rank), landmarks (page_chunks, Hkv, d) and outlier flags (page_chunks, Hkv) of every
+    layer; fp8 landmarks with an fp32 scale per chunk and KV head."""
     u = page_tokens(cfg) * cfg.rank * g.dtype_bytes
+    flags = cfg.page_chunks * g.num_kv_heads * OUTLIER_FLAG_BYTES
     if cfg.landmark_format == "fp8":
-        return g.num_layers * (u + cfg.page_chunks * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES))
-    return g.num_layers * (u + cfg.page_chunks * g.kv_width * g.dtype_bytes)
+        return g.num_layers * (u + flags + cfg.page_chunks * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES))
+    return g.num_layers * (u + flags + cfg.page_chunks * g.kv_width * g.dtype_bytes)
 
 
 def host_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
@@ -130,12 +132,12 @@ class SeqBytes:
 
 
 def slot_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
-    """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident and outlier chunk ids;
-    sparse, outlier and window keys and values; with prefetch, two layers of staged sparse values."""
+    """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident chunk ids; sparse,
+    outlier and window keys and values; with prefetch, two layers of staged sparse values."""
     C, K, O = cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     exact_tokens = K * C + O * C + window_tokens(cfg)
     per_layer = (cfg.rank * g.kv_width + 2 * exact_tokens * g.kv_width) * g.dtype_bytes
-    per_layer += (K + O) * g.num_kv_heads * INDEX_BYTES
+    per_layer += K * g.num_kv_heads * INDEX_BYTES
     staging = 2 * K * C * g.kv_width * g.dtype_bytes if cfg.prefetch else 0
     return g.num_layers * per_layer + staging
 

@@ -1,29 +1,31 @@
 import pytest
 import torch
 
-from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, slot_ids_for
+from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths
 from kernels.landmark_scores import landmark_scores
 from shadowkv_core.shadowkv.batched_reference import landmark_scores_batched
 from shadowkv_core.shadowkv.reference import quantize_values
 
 
 def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed):
+    """Landmark pages, some chunks flagged as outliers (up to max_outliers per KV head), and stray flags on the
+    padding pages past each sequence's chunks, which must not matter."""
     g = torch.Generator().manual_seed(seed)
     B = len(num_chunks)
     table, num_pages = page_tables(num_chunks, page_chunks, g)
     landmarks = torch.randn(num_pages, page_chunks, Hkv, d, generator=g).to(device, dtype)
     q = torch.randn(B, Hq, d, generator=g).to(device, dtype)
-    num_slots = B + 2
-    outlier_ids = torch.full((num_slots, Hkv, max_outliers), -5, dtype=torch.int64)
-    num_outliers = torch.zeros(B, dtype=torch.int32)
-    slot_ids = slot_ids_for(B, num_slots, g)
+    flags = (torch.rand(num_pages, page_chunks, Hkv, generator=g) < 0.5).to(torch.uint8)
     for b, n in enumerate(num_chunks):
+        rows = torch.arange(n)
+        page, offset = table[b].cpu()[rows // page_chunks].long(), rows % page_chunks
+        flags[page, offset] = 0
         o = min(max_outliers, n // 2)
-        num_outliers[b] = o
         for h in range(Hkv):
-            outlier_ids[int(slot_ids[b]), h, :o] = torch.randperm(n, generator=g)[:o].sort().values
+            ids = torch.randperm(n, generator=g)[:o]
+            flags[page[ids], offset[ids], h] = 1
     return (q, landmarks.to(device), table.to(device), torch.tensor(num_chunks, dtype=torch.int32, device=device),
-            outlier_ids.to(device), slot_ids.to(device), num_outliers.to(device))
+            flags.to(device))
 
 
 def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0, fp8=False):

@@ -59,11 +59,9 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_f
                                     host_cache_gib=0.002, max_model_len=1024))
     cache = engine.cache
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
-    device_values = [t for t in (cache.host.device_values, cache.host.device_scales, cache.gpu.landmark_scales)
-                     if t is not None]
+    device_values = [t for t in (cache.host.device_values, cache.host.device_scales) if t is not None]
     allocated_gpu = sum(t.numel() * t.element_size() for t in
-                        (cache.gpu.u, cache.gpu.landmarks, cache.dense.k, cache.dense.v, *cache.slots.buffers,
-                         *device_values))
+                        (*cache.gpu.buffers, cache.dense.k, cache.dense.v, *cache.slots.buffers, *device_values))
     pools = mm.plan_pools(g, cfg, int(0.005 * mm.GIB), int(0.002 * mm.GIB), 3)
     assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages,
             cache.host.device_pages.num_pages) == (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
@@ -97,9 +95,11 @@ def test_fp8_landmarks_halve_the_landmark_bytes():
     g = mm.PRESETS["llama-3.1-8b"]
     model, fp8 = ShadowKVConfig(), ShadowKVConfig(landmark_format="fp8")
     u = g.num_layers * mm.page_tokens(model) * model.rank * g.dtype_bytes
-    landmarks = mm.gpu_page_bytes(g, model) - u
+    flags = g.num_layers * model.page_chunks * g.num_kv_heads  # one byte per chunk and KV head
+    landmarks = mm.gpu_page_bytes(g, model) - u - flags
     assert landmarks == g.num_layers * model.page_chunks * g.kv_width * 2
-    assert mm.gpu_page_bytes(g, fp8) - u == landmarks // 2 + g.num_layers * model.page_chunks * g.num_kv_heads * 4
+    scales = g.num_layers * model.page_chunks * g.num_kv_heads * 4
+    assert mm.gpu_page_bytes(g, fp8) - u - flags == landmarks // 2 + scales
 
 
 def test_cli_prints_dense_and_shadowkv_capacity(capsys):

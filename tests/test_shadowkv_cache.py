@@ -184,7 +184,7 @@ def test_footprint_is_what_the_buffers_take(prefetch):
     cache = make_cache(config, max_num_seqs=2, gpu_pages=5, host_pages=7)
     g = mm.Geometry(L, HQ, HKV, D, hidden_size=0, intermediate_size=0, vocab_size=0, dtype_bytes=4)
     gpu_page, host_page, slot = mm.gpu_page_bytes(g, config), mm.host_page_bytes(g, config), mm.slot_bytes(g, config)
-    tensors = [cache.gpu.u, cache.gpu.landmarks, *cache.slots.buffers]
+    tensors = [*cache.gpu.buffers, *cache.slots.buffers]
     assert sum(t.numel() * t.element_size() for t in tensors) == 5 * gpu_page + 2 * slot
     assert cache.host.values.numel() * 4 == 7 * host_page
     assert cache.footprint(40, 8) == (3 * gpu_page + slot, 3 * host_page)

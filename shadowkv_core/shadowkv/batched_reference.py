@@ -14,17 +14,17 @@ from shadowkv_core.shadowkv.reference import (assign_slots, dequantize_values, g
 
 
 def landmark_scores_batched(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor,
-                            num_chunks: torch.Tensor, outlier_ids: torch.Tensor, slot_ids: torch.Tensor,
-                            num_outliers: torch.Tensor, n_max: int, scale: float) -> torch.Tensor:
-    """q (B, Hq, d), landmarks (P, page_chunks, Hkv, d), outlier_ids (N, Hkv, O) -> scores (B, Hkv, n_max) fp32,
-    -inf past each sequence's chunks."""
+                            num_chunks: torch.Tensor, outlier_flags: torch.Tensor, n_max: int,
+                            scale: float) -> torch.Tensor:
+    """q (B, Hq, d), landmarks (P, page_chunks, Hkv, d), outlier_flags (P, page_chunks, Hkv) -> scores
+    (B, Hkv, n_max) fp32, -inf past each sequence's chunks."""
     B, Hkv = q.shape[0], landmarks.shape[2]
     scores = torch.full((B, Hkv, n_max), float("-inf"), device=q.device)
     for b in range(B):
-        n, slot = int(num_chunks[b]), int(slot_ids[b])
-        lm = paged_rows(landmarks, page_table[b].long(), torch.arange(n, device=q.device))  # (n, Hkv, d)
-        excluded = torch.zeros(Hkv, n, dtype=torch.bool, device=q.device)
-        excluded.scatter_(1, outlier_ids[slot, :, :int(num_outliers[b])], True)
+        n, table = int(num_chunks[b]), page_table[b].long()
+        rows = torch.arange(n, device=q.device)
+        lm = paged_rows(landmarks, table, rows)  # (n, Hkv, d)
+        excluded = paged_rows(outlier_flags, table, rows).T.bool()  # (Hkv, n)
         scores[b, :, :n] = landmark_scores(q[b], lm, excluded, scale)
     return scores
 

@@ -34,7 +34,6 @@ class DecodePlan:
     gpu_table: torch.Tensor  # (B, max_pages) int32
     host_table: torch.Tensor  # (B, max_pages) int32, value page ids, host then device (read on the GPU)
     num_chunks: torch.Tensor  # (B,) int32 shadow chunks
-    num_outliers: torch.Tensor  # (B,) int32
     num_selected: torch.Tensor  # (B,) int32 chunks selected = min(budget, shadow - outliers)
     lens: list[torch.Tensor]  # (B,) int32 keys attended per segment: outliers, selected, window (+ the new token)
     token_page: torch.Tensor  # (B,) int64 GPU page and row of the new token's U row
@@ -74,8 +73,7 @@ class DecodePlan:
         return DecodePlan(
             slot_ids=ints([st.slot for st in states]), gpu_table=table([st.gpu_pages for st in states]),
             host_table=table([st.host_pages for st in states]),
-            num_chunks=ints([st.num_shadow for st in states]),
-            num_outliers=ints([st.num_outliers for st in states]), num_selected=ints(selected),
+            num_chunks=ints([st.num_shadow for st in states]), num_selected=ints(selected),
             lens=[ints([st.num_outliers * C for st in states]), ints([k * C for k in selected]), ints(window)],
             token_page=ints([st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)], torch.int64),
             token_row=ints([r % page_tokens for r in rows], torch.int64),
@@ -150,8 +148,8 @@ def end_decode_layer(cache, pending: PendingLayer) -> torch.Tensor:
 def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
     """Score the landmarks and pick the top-k chunks -> (B, Hkv, k_max), by score as reference.select_chunks."""
     scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
-                             cache.slots.outlier_ids[:, layer], plan.slot_ids, plan.num_outliers, plan.n_max,
-                             cache.scale, landmark_scales=cache.gpu.landmark_scales_of(layer))
+                             cache.gpu.outlier_flags[layer], plan.n_max, cache.scale,
+                             landmark_scales=cache.gpu.landmark_scales_of(layer))
     return topk_indices(scores, plan.k_max)
 
 

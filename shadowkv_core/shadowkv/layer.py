@@ -45,7 +45,7 @@ def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v:
     Hkv, O = ids.shape
     tokens = (ids[:, :, None] * C + torch.arange(C, device=ids.device)).view(Hkv, O * C)  # (Hkv, O*C)
     heads = torch.arange(Hkv, device=ids.device)[:, None]
-    slots.outlier_ids[st.slot, layer, :, :O] = ids
+    cache.gpu.mark_outliers(layer, st.gpu_table, ids)
     slots.outlier_k[st.slot, layer, :, :O * C] = k_rot[tokens, heads]  # (Hkv, O*C, d)
     slots.outlier_v[st.slot, layer, :, :O * C] = v[tokens, heads]
 
@@ -79,8 +79,7 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     slots, s, C = cache.slots, st.slot, cache.config.chunk_size
     landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)  # (n, Hkv, d)
     Hkv = landmarks.shape[1]
-    excluded = torch.zeros(Hkv, st.num_shadow, dtype=torch.bool, device=landmarks.device)
-    excluded.scatter_(1, slots.outlier_ids[s, layer, :, :st.num_outliers], True)  # (Hkv, n)
+    excluded = cache.gpu.read_outliers(layer, st.gpu_table, st.num_shadow)  # (Hkv, n)
     if cache.chunk_scorer is None:
         scores = landmark_scores(q, landmarks, excluded, cache.scale)  # (Hkv, n)
     else:

@@ -30,6 +30,11 @@ class PagePool(BlockAllocator):
 
 
 class GpuPages(PagePool):
+    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (fp8: and their scales
+    (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv) uint8, 1 where the chunk is one of its KV head's outliers
+    (kept exact in the slot, so never scored): the scoring kernel reads one byte beside each landmark instead of
+    comparing every chunk with the outlier list."""
+
     def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  landmark_format: str = "model"):
@@ -42,9 +47,15 @@ class GpuPages(PagePool):
                                      dtype=FP8 if fp8 else dtype, device=device)
         self.landmark_scales = torch.ones(num_layers, num_pages, page_chunks, num_kv_heads, device=device) \
             if fp8 else None
-        page_bytes = sum(t[:, 0].numel() * t.element_size() for t in (self.u, self.landmarks, self.landmark_scales)
-                         if t is not None)
+        self.outlier_flags = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, dtype=torch.uint8,
+                                         device=device)
+        page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.buffers)
         super().__init__(num_pages, page_bytes, f"GPU shadow pages of {self.page_tokens} tokens")
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every per-page tensor, each (L, num_pages, ...)."""
+        return [t for t in (self.u, self.landmarks, self.landmark_scales, self.outlier_flags) if t is not None]
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
         """U rows (n, r) of tokens [start, start + n)."""
@@ -56,9 +67,11 @@ class GpuPages(PagePool):
         return self.u[layer][locate(table, positions, self.page_tokens)]
 
     def write_landmarks(self, layers: slice | int, table: torch.Tensor, start: int, lm: torch.Tensor) -> None:
-        """Landmarks ([L,] n, Hkv, d) of chunks [start, start + n), for one layer or a slice of layers."""
+        """Landmarks ([L,] n, Hkv, d) of chunks [start, start + n), for one layer or a slice of layers; the chunks are
+        not outliers (mark_outliers)."""
         rows = torch.arange(start, start + lm.shape[-3], device=table.device)
         page, offset = locate(table, rows, self.page_chunks)
+        self.outlier_flags[layers, page, offset] = 0
         if self.landmark_scales is not None:
             lm, scales = quantize_values(lm, 1)  # one scale per chunk and KV head
             self.landmark_scales[layers, page, offset] = scales
@@ -72,6 +85,17 @@ class GpuPages(PagePool):
         if self.landmark_scales is None:
             return self.landmarks[layer][where]
         return self.landmarks[layer][where].float() * self.landmark_scales[layer][where][..., None]
+
+    def mark_outliers(self, layer: int, table: torch.Tensor, ids: torch.Tensor) -> None:
+        """Flag chunk ids (Hkv, O) as their KV head's outliers (after their landmarks are written)."""
+        heads = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        page, offset = locate(table, ids, self.page_chunks)
+        self.outlier_flags[layer, page, offset, heads] = 1
+
+    def read_outliers(self, layer: int, table: torch.Tensor, num_chunks: int) -> torch.Tensor:
+        """Outlier flags of chunks [0, num_chunks) -> (Hkv, n) bool."""
+        rows = torch.arange(num_chunks, device=table.device)
+        return self.outlier_flags[layer][locate(table, rows, self.page_chunks)].T.bool()
 
     def landmark_scales_of(self, layer: int) -> torch.Tensor | None:
         """One layer's fp8 landmark scales (num_pages, page_chunks, Hkv); None for landmarks in the model's dtype."""

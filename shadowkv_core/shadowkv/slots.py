@@ -33,7 +33,7 @@ class Slots:
     """Buffers of `max_num_seqs` slots for every layer, allocated once.
 
     sv (N, L, Hkv, r, d): each sequence's key basis; resident (N, L, Hkv, K): chunk id in each sparse slot, -1 empty;
-    sparse_k/v (N, L, Hkv, K*C, d); outlier_ids (N, L, Hkv, O); outlier_k/v (N, L, Hkv, O*C, d);
+    sparse_k/v (N, L, Hkv, K*C, d); outlier_k/v (N, L, Hkv, O*C, d);
     window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window; with config.prefetch, stage_v
     (N, 2, Hkv, K*C, d): the values a speculative prefetch brought for the next layer (two layers in turn)."""
 
@@ -41,7 +41,6 @@ class Slots:
     resident: torch.Tensor
     sparse_k: torch.Tensor
     sparse_v: torch.Tensor
-    outlier_ids: torch.Tensor
     outlier_k: torch.Tensor
     outlier_v: torch.Tensor
     window_k: torch.Tensor
@@ -69,7 +68,6 @@ class Slots:
             "sv": ((L, Hkv, config.rank, d), dtype),
             "resident": ((L, Hkv, K), torch.int64),
             "sparse_k": ((L, Hkv, K * C, d), dtype), "sparse_v": ((L, Hkv, K * C, d), dtype),
-            "outlier_ids": ((L, Hkv, O), torch.int64),
             "outlier_k": ((L, Hkv, O * C, d), dtype), "outlier_v": ((L, Hkv, O * C, d), dtype),
             "window_k": ((L, E, Hkv, d), dtype), "window_v": ((L, E, Hkv, d), dtype),
         }
