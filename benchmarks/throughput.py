@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # one failed configuration is recorded; the others still run
             failures.append({"context": context, "method": method, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)
-        summary = summarize(kept + rows, copy_bps, {args.model: g})
+        summary = summarize(kept + rows, copy_bps, {**mm.PRESETS, args.model: g})  # kept rows: any preset
         path = write_json(out, kept + rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
                           h2d_gbps=h2d_bps / 1e9, gpu_plan_bytes=gpu_total, host_plan_bytes=host,
                           shadowkv=dataclasses.asdict(cfg))

@@ -57,7 +57,10 @@ def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
     merged = json.loads(kernels.read_text())["rows"]
     assert [r["kernel"] for r in merged] == ["fetch_values", "decode_step"] and merged[1] == step
     assert step["time_ms"] > 0 and step["floor_ms"] > 0
-    # a second run of other methods, merged: the first run's rows stay, with their command
+    # a second run of other methods, merged: the first run's rows stay, with their command, and so does a row of
+    # another model's geometry
+    other = dict(saved["rows"][0], model="llama-3.1-8b")
+    (tmp_path / "t.json").write_text(json.dumps(dict(saved, rows=saved["rows"] + [other])))
     more = tp.main(["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "2", "--warmup-steps", "1",
                     "--profile-steps", "1", "--max-new-tokens", "24", "--max-batch", "3", "--merge",
                     "--methods", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch", "--out", str(tmp_path / "t.json"),
@@ -66,9 +69,10 @@ def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
     methods = [r["method"] for r in merged["rows"]]
     assert set(methods) == {"dense", "shadowkv", "hf", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch"}
     assert all(r["command"] == saved["environment"]["command"] for r in merged["rows"] if "command" in r)
-    assert len(methods) == len(out["rows"]) + len(more["rows"])
+    assert len(methods) == len(out["rows"]) + len(more["rows"]) + 1
+    assert [s["model"] for s in merged["summary"]] == ["llama-3.1-8b", "tiny"]
     assert {r["batch"] for r in more["rows"] if r["method"] == "shadowkv_eager"} == {3}
-    summary = merged["summary"][0]
+    summary = merged["summary"][1]
     assert {"shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3",
             "shadowkv_prefetch_step_reduction_at_3"} <= set(summary)
     # the reference path (CPU) does not speculate: every miss read on the critical path
