@@ -104,10 +104,11 @@ def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
     return s
 
 
-def run_scores(s, block_n=64, num_warps=4, fp8=False):
+def run_scores(s, fp8=False, **tile):
+    """tile: block_n, num_warps (the kernel's defaults where left out)."""
     lm, scales = (s["landmarks_fp8"], s["landmark_scales"]) if fp8 else (s["landmarks"], None)
     return landmark_scores(s["q"], lm, s["gpu_table"], s["num_chunks"], s["outlier_flags"], s["n"], D ** -0.5,
-                           block_n=block_n, num_warps=num_warps, landmark_scales=scales)
+                           landmark_scales=scales, **tile)
 
 
 def run_fetch(s, misses_per_program=4, max_programs=None, num_warps=4, host=None, device_region=None):
@@ -159,10 +160,10 @@ def bench_scores(s, d2d, sweep=False):
     tiles = list(itertools.product((32, 64, 128), (2, 4, 8))) if sweep else [(64, 4), (128, 4), (256, 4)]
     for fp8, lm_bytes in ((False, D * 2), (True, D + 4)):
         nbytes = B * n * HKV * (lm_bytes + 1) + B * HQ * n * 4 * 2 + B * HKV * n * 4  # landmarks, flags; logits; scores
-        times = sorted((bench(lambda: run_scores(s, bn, w, fp8)), bn, w) for bn, w in tiles)
+        times = sorted((bench(lambda: run_scores(s, fp8, block_n=bn, num_warps=w)), bn, w) for bn, w in tiles)
         for ms, bn, w in times if sweep else times[:1]:
             record("landmark_scores" + (" (fp8 landmarks)" if fp8 else ""), ms, nbytes, d2d, batch=B, context=n * C,
-                   block_n=bn, num_warps=w, eager_ms=bench_eager(lambda: run_scores(s, bn, w, fp8)))
+                   block_n=bn, num_warps=w, eager_ms=bench_eager(lambda: run_scores(s, fp8, block_n=bn, num_warps=w)))
     scores = run_scores(s)
     record("topk (torch.topk)", bench(lambda: scores.topk(K, dim=-1)), scores.numel() * 4, d2d, batch=B,
            eager_ms=bench_eager(lambda: scores.topk(K, dim=-1)))

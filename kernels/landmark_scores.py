@@ -15,7 +15,8 @@ Two launches: the first writes each block's logits (B, Hq, n_max) and its softma
 query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
 landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
 Outliers are flagged on the pages beside their landmarks: comparing each chunk with a list of its sequence's outlier
-ids instead took a third of the kernel's time (H200, 122K x 13: 0.17 -> 0.11 ms without it).
+ids instead took a quarter to a third of the kernel's time (H200, 122K x 13: 0.174 -> 0.127 ms bf16, 0.181 -> 0.110
+fp8, without it; benchmarks/results/scoring_variants.json).
 """
 import torch
 import triton

@@ -10,6 +10,7 @@ from shadowkv_core.dense_cache import DenseKVCache
 from shadowkv_core.models.rotary import RotaryEmbedding
 from shadowkv_core.models.spec import ModelSpec
 from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.pages import GpuPages
 from test_shadowkv_reference import RopeForTests
 
 L, HQ, HKV, D = 2, 4, 2, 8
@@ -197,3 +198,22 @@ def test_footprint_is_what_the_buffers_take(prefetch):
 def test_config_checked_against_the_model():
     with pytest.raises(ValueError, match="rank"):
         make_cache(full_config(rank=HKV * D + 1))
+
+
+def test_outlier_flags_follow_the_landmarks_through_page_reuse():
+    """mark_outliers flags exactly the given chunks of each KV head; writing landmarks over a reused page clears its
+    flags, so a later sequence on that page inherits no outliers."""
+    pages = GpuPages(L, num_pages=6, page_chunks=4, chunk_size=2, rank=3, num_kv_heads=HKV, head_dim=D,
+                     dtype=torch.float32, device="cpu")
+    table = torch.tensor(pages.alloc(3))
+    pages.write_landmarks(1, table, 0, torch.randn(10, HKV, D))
+    ids = torch.tensor([[0, 5, 9], [2, 5, 7]])  # (Hkv, O)
+    pages.mark_outliers(1, table, ids)
+    expected = torch.zeros(HKV, 10, dtype=torch.bool)
+    expected.scatter_(1, ids, True)
+    assert torch.equal(pages.read_outliers(1, table, 10), expected)
+    assert not pages.read_outliers(0, table, 10).any()  # another layer
+    pages.free(table.tolist())
+    reused = torch.tensor(pages.alloc(6))  # every page, the three flagged ones among them
+    pages.write_landmarks(slice(None), reused, 0, torch.randn(L, 24, HKV, D))
+    assert not pages.read_outliers(1, reused, 24).any()
