@@ -11,6 +11,7 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head = budget chunks, k_
   miss_chunks  (B, Hkv, K) int32 out      the j-th missed chunk, in `selected` order, j < num_miss
   miss_slots   (B, Hkv, K) int32 out      the slot it goes to: the j-th slot (in slot order) whose chunk left
   num_miss     (B, Hkv) int32 out
+  miss_total   (1,) int32 in/out, optional  num_miss summed into it (a step's miss count, read once after the step)
 One program per (sequence, KV head): the K x k membership test runs in BLOCK_J columns of `selected` at a time.
 """
 import torch
@@ -20,9 +21,9 @@ import triton.language as tl
 
 @triton.jit
 def _assign_slots_kernel(resident_ptr, slot_ptr, selected_ptr, num_selected_ptr, miss_chunks_ptr, miss_slots_ptr,
-                         num_miss_ptr, stride_rn, stride_rh, stride_sb, stride_sh, stride_mb, stride_mh, stride_nb,
-                         K: tl.constexpr, K_PAD: tl.constexpr, K_MAX: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UPDATE: tl.constexpr):
+                         num_miss_ptr, total_ptr, stride_rn, stride_rh, stride_sb, stride_sh, stride_mb, stride_mh,
+                         stride_nb, K: tl.constexpr, K_PAD: tl.constexpr, K_MAX: tl.constexpr, BLOCK_J: tl.constexpr,
+                         UPDATE: tl.constexpr, TOTAL: tl.constexpr):
     h, b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     k = tl.load(num_selected_ptr + b)
@@ -48,6 +49,8 @@ def _assign_slots_kernel(resident_ptr, slot_ptr, selected_ptr, num_selected_ptr,
     takes_miss = free & (free_rank < num_miss)
     tl.store(miss_slots_ptr + miss_base + free_rank, offs_s, mask=takes_miss)
     tl.store(num_miss_ptr + b * stride_nb + h, num_miss)
+    if TOTAL:
+        tl.atomic_add(total_ptr, num_miss)
     if UPDATE:
         # The j-th miss goes to the j-th free slot: read back the chunk ids this program stored above.
         tl.debug_barrier()
@@ -56,9 +59,11 @@ def _assign_slots_kernel(resident_ptr, slot_ptr, selected_ptr, num_selected_ptr,
 
 
 def assign_slots(resident: torch.Tensor, slot_ids: torch.Tensor, selected: torch.Tensor,
-                 num_selected: torch.Tensor, update: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 num_selected: torch.Tensor, update: bool = True,
+                 miss_total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Updates resident[slot_ids] in place (unless `update` is False: the misses of a selection not taken, as a
-    speculative prefetch asks) -> miss_chunks, miss_slots (B, Hkv, K) int32, num_miss (B, Hkv) int32."""
+    speculative prefetch asks) and adds the misses to miss_total if given -> miss_chunks, miss_slots (B, Hkv, K)
+    int32, num_miss (B, Hkv) int32."""
     N, Hkv, K = resident.shape
     B, Hkv_s, k_max = selected.shape
     assert Hkv_s == Hkv and k_max <= K and slot_ids.shape == num_selected.shape == (B,), (resident.shape,
@@ -66,13 +71,15 @@ def assign_slots(resident: torch.Tensor, slot_ids: torch.Tensor, selected: torch
     assert resident.dtype == selected.dtype == torch.int64
     assert slot_ids.dtype == num_selected.dtype == torch.int32
     assert resident.stride(2) == 1 and resident.stride(1) == K and selected.is_contiguous()
+    assert miss_total is None or (miss_total.dtype == torch.int32 and miss_total.numel() == 1)
     miss_chunks = torch.empty(B, Hkv, K, dtype=torch.int32, device=resident.device)
     miss_slots = torch.empty_like(miss_chunks)
     num_miss = torch.empty(B, Hkv, dtype=torch.int32, device=resident.device)
     block_j = min(32, triton.next_power_of_2(k_max))
     _assign_slots_kernel[(Hkv, B)](
         resident, slot_ids, selected, num_selected, miss_chunks, miss_slots, num_miss,
-        resident.stride(0), resident.stride(1), selected.stride(0), selected.stride(1), miss_chunks.stride(0),
+        num_miss if miss_total is None else miss_total, resident.stride(0), resident.stride(1), selected.stride(0), selected.stride(1), miss_chunks.stride(0),
         miss_chunks.stride(1), num_miss.stride(0),
-        K=K, K_PAD=triton.next_power_of_2(K), K_MAX=k_max, BLOCK_J=block_j, UPDATE=update, num_warps=4)
+        K=K, K_PAD=triton.next_power_of_2(K), K_MAX=k_max, BLOCK_J=block_j, UPDATE=update,
+        TOTAL=miss_total is not None, num_warps=4)
     return miss_chunks, miss_slots, num_miss

@@ -29,6 +29,7 @@ def _check(num_chunks, Hkv, K, device, steps=3, seed=0):
     B, N = len(num_chunks), len(num_chunks) + 2
     resident = torch.full((N, Hkv, K), -1, dtype=torch.int64, device=device)
     slot_ids = slot_ids_for(B, N, g).to(device)
+    total, expected_total = torch.zeros(1, dtype=torch.int32, device=device), 0  # misses summed over the steps
     for step in range(steps):  # empty slots first, then steps with hits
         selected, num_selected = _step(resident, slot_ids, num_chunks, K, Hkv, g, keep_share=0.6)
         expected_res, miss_mask = assign_slots_batched(resident, slot_ids, selected, num_selected)
@@ -36,7 +37,9 @@ def _check(num_chunks, Hkv, K, device, steps=3, seed=0):
         got = resident.clone()  # in/out: the kernel reads the old resident chunks and writes the new ones
         dry = assign_slots(got, slot_ids, selected, num_selected, update=False)  # a prefetch's: same lists, no write
         assert torch.equal(got, resident), f"step {step}: update=False wrote the resident chunks"
-        miss_chunks, miss_slots, num_miss = assign_slots(got, slot_ids, selected, num_selected)
+        miss_chunks, miss_slots, num_miss = assign_slots(got, slot_ids, selected, num_selected, miss_total=total)
+        expected_total += int(exp_num.sum())
+        assert int(total) == expected_total, f"step {step} miss total"
         for name, a, b in zip(("miss chunks", "miss slots"), dry[:2], (miss_chunks, miss_slots)):
             listed_ = torch.arange(K, device=device) < num_miss[..., None]
             assert torch.equal(torch.where(listed_, a, -1), torch.where(listed_, b, -1)), f"step {step} dry {name}"

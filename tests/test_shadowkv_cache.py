@@ -217,3 +217,41 @@ def test_outlier_flags_follow_the_landmarks_through_page_reuse():
     reused = torch.tensor(pages.alloc(6))  # every page, the three flagged ones among them
     pages.write_landmarks(slice(None), reused, 0, torch.randn(L, 24, HKV, D))
     assert not pages.read_outliers(1, reused, 24).any()
+
+
+def test_page_tables_are_built_once_per_batch_and_stay_right_when_batches_change():
+    """The decode plan's page tables: each sequence's page lists zero-padded to a power of two; reused while the
+    same sequences decode together, rebuilt for a new batch (a freed sequence's pages given to a new one included),
+    and handed out as copies, so a caller writing into them (a captured graph's inputs) cannot corrupt a later plan."""
+    cache = make_cache(full_config(), gpu_pages=64, host_pages=64)
+    for seq_id, prompt in enumerate([40, 90, 20]):
+        cache.allocate(seq_id, prompt, 8)
+
+    def expected(states):
+        width = max(1 << (len(st.gpu_pages) - 1).bit_length() for st in states)
+        return [torch.tensor([st.gpu_pages + [0] * (width - len(st.gpu_pages)) for st in states], dtype=torch.int32),
+                torch.tensor([st.host_pages + [0] * (width - len(st.host_pages)) for st in states], dtype=torch.int32)]
+
+    def check(seq_ids):
+        states = [cache.seqs[i] for i in seq_ids]
+        tables = cache.page_tables(states)
+        for got, want in zip(tables, expected(states)):
+            assert torch.equal(got, want)
+        return tables
+
+    first = check([0, 1])
+    assert first[0].shape == (2, 8) and len(cache._page_tables) == 1
+    first[0].fill_(-1)  # what a graph replay does to its inputs
+    first[1].fill_(-1)
+    check([0, 1])
+    assert len(cache._page_tables) == 1  # reused, not rebuilt
+    check([1, 2])
+    cache.free(1)
+    cache.allocate(3, 60, 8)  # the freed pages, under a new state
+    check([0, 3])
+    assert len(cache._page_tables) == 3
+    batches = [[0], [2], [3], [0, 2], [2, 0], [0, 3], [3, 0], [2, 3], [3, 2], [0, 2, 3]]
+    assert len(batches) > cache.held_page_tables
+    for batch in batches:
+        check(batch)
+    assert len(cache._page_tables) == cache.held_page_tables  # the least recently used dropped

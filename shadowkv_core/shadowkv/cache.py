@@ -9,9 +9,11 @@ allocated up front.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
@@ -98,6 +100,8 @@ class ShadowKVCache(KVCache):
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
         self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)
+        self._page_tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch -> (its states, its page tables)
+        self.held_page_tables = 8  # batches whose tables are kept (pipelined halves count one each)
 
     # ---- allocation ----
 
@@ -173,6 +177,9 @@ class ShadowKVCache(KVCache):
                      meta: AttentionMetadata):
         """Everything but the fast path's wait for its side streams and its attention (attend_end)."""
         split = self._split_batch(meta)
+        if split.dense_meta is None and self._decodes_fast(meta, split):
+            # every token is a shadow sequence's, in order: the kernels take the layer's tensors as they are
+            return None, None, begin_decode_layer(self, layer, self._plan(split), q, k_pre, k_rot, v)
         out = torch.empty_like(q)  # (T, Hq, d)
         if split.dense_meta is not None:
             rows = split.dense_tokens
@@ -191,8 +198,11 @@ class ShadowKVCache(KVCache):
 
     def attend_end(self, handle) -> torch.Tensor:
         out, rows, pending = handle
-        if pending is not None:
-            out[rows] = end_decode_layer(self, pending)
+        if pending is None:
+            return out
+        if out is None:  # the whole forward's tokens
+            return end_decode_layer(self, pending)
+        out[rows] = end_decode_layer(self, pending)
         return out
 
     def speculates(self, meta: AttentionMetadata) -> bool:
@@ -207,6 +217,26 @@ class ShadowKVCache(KVCache):
     def _decodes_fast(self, meta: AttentionMetadata, split: BatchSplit) -> bool:
         """Whether the forward's shadow sequences decode on the kernels (else: prefill, or the reference path)."""
         return not meta.is_prefill and bool(split.shadow) and self.use_kernels and self.chunk_scorer is None
+
+    def page_tables(self, states: list[SequenceState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(GPU page table, value page table), each (B, W) int32 on the device, zero-padded to W, the power of two
+        at or above the batch's longest page list (a captured CUDA graph is keyed on their shape). A sequence's pages
+        are fixed when it is allocated, so a batch's tables are built once and copied while the same sequences decode
+        together: building them from Python lists took the host about 1 ms each at 122K x 16, a twentieth of the
+        decode step, with the GPU idle. The copies are the plan's own (a captured graph keeps the plan's tensors as
+        its inputs and overwrites them)."""
+        key = tuple(map(id, states))
+        held = self._page_tables.pop(key, None)
+        if held is None or any(a is not b for a, b in zip(held[0], states)):
+            width = triton.next_power_of_2(max(len(st.gpu_pages) for st in states))
+            rows = [[st.gpu_pages + [0] * (width - len(st.gpu_pages)) for st in states],
+                    [st.host_pages + [0] * (width - len(st.host_pages)) for st in states]]
+            held = (tuple(states), torch.tensor(rows, dtype=torch.int32).to(self.device))
+        self._page_tables[key] = held  # most recent last; the held states keep their ids from being reused
+        while len(self._page_tables) > self.held_page_tables:
+            self._page_tables.popitem(last=False)
+        tables = held[1].clone()
+        return tables[0], tables[1]
 
     def _plan(self, split: BatchSplit) -> DecodePlan:
         if split.plan is None:
@@ -289,8 +319,7 @@ class ShadowKVCache(KVCache):
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
-        counts = torch.stack([torch.stack([p.misses, p.prefetched, p.staged_hits[0].long(), p.device_hits[0].long()])
-                              for p in self._plans])
+        counts = torch.stack([torch.cat([p.misses, p.prefetched, p.staged_hits, p.device_hits]) for p in self._plans])
         fetched, prefetched, from_prefetch, from_device = counts.sum(0).tolist()  # one read back for the step
         self.step = StepCounters(selected, selected - fetched, fetched,
                                  (fetched - from_prefetch + prefetched - from_device) * self.host.fetch_bytes(),

@@ -44,8 +44,8 @@ class DecodePlan:
     k_max: int
     max_len: int
     streams: tuple | None  # (value fetch, key rebuild) on CUDA
-    misses: torch.Tensor  # () int64 chunks fetched this forward, summed over layers (read once, after the step)
-    prefetched: torch.Tensor  # () int64 chunks a speculative prefetch fetched (config.prefetch)
+    misses: torch.Tensor  # (1,) int32 chunks fetched this forward, summed over layers (read once, after the step)
+    prefetched: torch.Tensor  # (1,) int32 chunks a speculative prefetch fetched (config.prefetch)
     staged_hits: torch.Tensor  # (1,) int32 misses copied from a prefetch's staging area instead of the host
     device_hits: torch.Tensor  # (1,) int32 chunks fetched from the device value region (device_value_share)
     staged: dict = field(default_factory=dict)  # layer -> its prefetch's lists (chunks, count), until it selects
@@ -53,38 +53,30 @@ class DecodePlan:
     @staticmethod
     def build(cache, states: list[SequenceState]) -> DecodePlan:
         dev, C, budget = cache.device, cache.config.chunk_size, cache.config.budget_chunks
-        # page tables as wide as a power of two: a captured CUDA graph is keyed on their shape
-        pages = triton.next_power_of_2(max(len(st.gpu_pages) for st in states))
-
-        def ints(values, dtype=torch.int32):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        def table(page_lists):
-            return ints([p + [0] * (pages - len(p)) for p in page_lists])
-
         selected = [max(min(budget, st.num_shadow - st.num_outliers), 0) for st in states]
         window = [st.window_len + 1 for st in states]
         page_tokens = cache.gpu.page_tokens
         rows = [st.seq_len for st in states]
+        # every per-sequence integer in one host-to-device copy (each copy costs the host tens of microseconds)
+        ints = torch.tensor([[st.slot for st in states], [st.num_shadow for st in states], selected,
+                             [st.num_outliers * C for st in states], [k * C for k in selected], window,
+                             [st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)],
+                             [r % page_tokens for r in rows], [st.window_len for st in states],
+                             [st.prompt_len for st in states]], dtype=torch.int64).to(dev, non_blocking=True)
+        small = ints[:6].to(torch.int32)
         rotary = cache.rotary
-        prompt_lens = torch.tensor([st.prompt_len for st in states], device=dev)
+        prompt_lens = ints[9]
         inv_freq = rotary.frequencies(prompt_lens - 1, prompt_lens if rotary.uses_seq_lens else None).float()
         max_keys = max(st.num_outliers * C + k * C + w for st, k, w in zip(states, selected, window))
+        gpu_table, host_table = cache.page_tables(states)
+        counters = torch.zeros(4, 1, dtype=torch.int32, device=dev)
         return DecodePlan(
-            slot_ids=ints([st.slot for st in states]), gpu_table=table([st.gpu_pages for st in states]),
-            host_table=table([st.host_pages for st in states]),
-            num_chunks=ints([st.num_shadow for st in states]), num_selected=ints(selected),
-            lens=[ints([st.num_outliers * C for st in states]), ints([k * C for k in selected]), ints(window)],
-            token_page=ints([st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)], torch.int64),
-            token_row=ints([r % page_tokens for r in rows], torch.int64),
-            window_pos=ints([st.window_len for st in states], torch.int64),
+            slot_ids=small[0], gpu_table=gpu_table, host_table=host_table, num_chunks=small[1], num_selected=small[2],
+            lens=[small[3], small[4], small[5]], token_page=ints[6], token_row=ints[7], window_pos=ints[8],
             inv_freq=inv_freq.expand(len(states), -1).contiguous(),
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
-            misses=torch.zeros((), dtype=torch.int64, device=dev),
-            prefetched=torch.zeros((), dtype=torch.int64, device=dev),
-            staged_hits=torch.zeros(1, dtype=torch.int32, device=dev),
-            device_hits=torch.zeros(1, dtype=torch.int32, device=dev))
+            misses=counters[0], prefetched=counters[1], staged_hits=counters[2], device_hits=counters[3])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the plan (what a CUDA graph of the forward reads and, for `misses`, writes)."""
@@ -158,8 +150,8 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     which copies the misses a prefetch staged from the GPU. -> the lists the side streams read and their events
     (see on_two_streams)."""
     slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
-    misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected)
-    plan.misses += misses[2].sum()
+    misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
+                          miss_total=plan.misses)
     staged = plan.staged.pop(layer, None)
     from_stage = None if staged is None else (*staged, slots.stage_v[:, layer % 2], plan.staged_hits)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
@@ -177,8 +169,7 @@ def speculate_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> Non
     copies the misses it finds staged (select_and_load)."""
     selected = select(cache, layer, plan, q)
     chunks, _, count = assign_slots(cache.slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected,
-                                    update=False)
-    plan.prefetched += count.sum()
+                                    update=False, miss_total=plan.prefetched)
     plan.staged[layer] = (chunks, count)
     on_stream(None if plan.streams is None else plan.streams[1],
               lambda: fetch_into(cache, layer, plan, (chunks, None, count), cache.slots.stage_v[:, layer % 2]))
