@@ -78,7 +78,8 @@ def assign_slots(resident: torch.Tensor, slot_ids: torch.Tensor, selected: torch
     block_j = min(32, triton.next_power_of_2(k_max))
     _assign_slots_kernel[(Hkv, B)](
         resident, slot_ids, selected, num_selected, miss_chunks, miss_slots, num_miss,
-        num_miss if miss_total is None else miss_total, resident.stride(0), resident.stride(1), selected.stride(0), selected.stride(1), miss_chunks.stride(0),
+        num_miss if miss_total is None else miss_total,  # not read without miss_total
+        resident.stride(0), resident.stride(1), selected.stride(0), selected.stride(1), miss_chunks.stride(0),
         miss_chunks.stride(1), num_miss.stride(0),
         K=K, K_PAD=triton.next_power_of_2(K), K_MAX=k_max, BLOCK_J=block_j, UPDATE=update,
         TOTAL=miss_total is not None, num_warps=4)

@@ -218,12 +218,12 @@ class ShadowKVCache(KVCache):
         """Whether the forward's shadow sequences decode on the kernels (else: prefill, or the reference path)."""
         return not meta.is_prefill and bool(split.shadow) and self.use_kernels and self.chunk_scorer is None
 
-    def page_tables(self, states: list[SequenceState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(GPU page table, value page table), each (B, W) int32 on the device, zero-padded to W, the power of two
-        at or above the batch's longest page list (a captured CUDA graph is keyed on their shape). A sequence's pages
-        are fixed when it is allocated, so a batch's tables are built once and copied while the same sequences decode
-        together: building them from Python lists took the host about 1 ms each at 122K x 16, a twentieth of the
-        decode step, with the GPU idle. The copies are the plan's own (a captured graph keeps the plan's tensors as
+    def page_tables(self, states: list[SequenceState]) -> torch.Tensor:
+        """(2, B, W) int32 on the device: the GPU page table and the value page table, zero-padded to W, the power
+        of two at or above the batch's longest page list (a captured CUDA graph is keyed on their shape). A sequence's
+        pages are fixed when it is allocated, so a batch's tables are built once and copied while the same sequences
+        decode together: building them from Python lists took the host about 1 ms each at 122K x 16, a twentieth of
+        the decode step, with the GPU idle. The copy is the plan's own (a captured graph keeps the plan's tensors as
         its inputs and overwrites them)."""
         key = tuple(map(id, states))
         held = self._page_tables.pop(key, None)
@@ -235,8 +235,7 @@ class ShadowKVCache(KVCache):
         self._page_tables[key] = held  # most recent last; the held states keep their ids from being reused
         while len(self._page_tables) > self.held_page_tables:
             self._page_tables.popitem(last=False)
-        tables = held[1].clone()
-        return tables[0], tables[1]
+        return held[1].clone()
 
     def _plan(self, split: BatchSplit) -> DecodePlan:
         if split.plan is None:

@@ -11,7 +11,7 @@ depend on the sequence length, and for longrope once the prompt is past the orig
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -48,6 +48,7 @@ class DecodePlan:
     prefetched: torch.Tensor  # (1,) int32 chunks a speculative prefetch fetched (config.prefetch)
     staged_hits: torch.Tensor  # (1,) int32 misses copied from a prefetch's staging area instead of the host
     device_hits: torch.Tensor  # (1,) int32 chunks fetched from the device value region (device_value_share)
+    buffers: list[torch.Tensor]  # the device tensors built for the plan: every tensor above is one or a view of one
     staged: dict = field(default_factory=dict)  # layer -> its prefetch's lists (chunks, count), until it selects
 
     @staticmethod
@@ -68,26 +69,22 @@ class DecodePlan:
         prompt_lens = ints[9]
         inv_freq = rotary.frequencies(prompt_lens - 1, prompt_lens if rotary.uses_seq_lens else None).float()
         max_keys = max(st.num_outliers * C + k * C + w for st, k, w in zip(states, selected, window))
-        gpu_table, host_table = cache.page_tables(states)
+        inv_freq = inv_freq.expand(len(states), -1).contiguous()
+        tables = cache.page_tables(states)
         counters = torch.zeros(4, 1, dtype=torch.int32, device=dev)
         return DecodePlan(
-            slot_ids=small[0], gpu_table=gpu_table, host_table=host_table, num_chunks=small[1], num_selected=small[2],
+            slot_ids=small[0], gpu_table=tables[0], host_table=tables[1], num_chunks=small[1], num_selected=small[2],
             lens=[small[3], small[4], small[5]], token_page=ints[6], token_row=ints[7], window_pos=ints[8],
-            inv_freq=inv_freq.expand(len(states), -1).contiguous(),
+            inv_freq=inv_freq,
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
-            misses=counters[0], prefetched=counters[1], staged_hits=counters[2], device_hits=counters[3])
+            misses=counters[0], prefetched=counters[1], staged_hits=counters[2], device_hits=counters[3],
+            buffers=[ints, small, tables, inv_freq, counters])
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor of the plan (what a CUDA graph of the forward reads and, for `misses`, writes)."""
-        out = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-            elif isinstance(value, list):
-                out += value
-        return out
+        """Every device tensor of the plan, as few as can be copied (what a CUDA graph of the forward reads and, for
+        the counters, writes)."""
+        return self.buffers
 
     @property
     def graph_key(self) -> tuple[int, int, int]:
