@@ -85,18 +85,20 @@ class ShadowKVCache(KVCache):
         # much in flight each, 8 multiprocessors move the full host-to-device bandwidth (H200: 50.9 GB/s, as 66
         # programs of 4 misses did), and the others stay free for the work beside it (the key rebuild; in pipelined
         # halves the other half's layer: 122K x 13 step 50.3 -> 46.9 ms). benchmarks/kernels.py --fetch-shapes-only.
-        # Otherwise 66 programs of 4 misses:
+        # Otherwise 66 programs of 4 misses, of 8 warps each:
         # - fp8 values, pipelined, 122K on an H200 (this session's kernels): 545 against 519 tok/s for 16 x 32 at 26,
         #   300 against 272 at 8 (benchmarks/results/fetch_grid/fp8_66x4.json against throughput.json);
         # - a prefetch looks each miss up in its staged list, which a program of many misses serialises (122K x 8:
         #   284 ms a step with 8 x 32, 35.1 ms with 66 x 4; prefetch_grid_8x32.json, _66x4.json);
         # - with a device value region a program's device misses wait on its host ones, so time tracks host bytes
         #   only with few misses per program (122K x 13, all misses: 32 x 8 takes 0.67 ms with 95 % of the pages on
-        #   the device, 66 x 4 0.26; kernel_device_region.json).
+        #   the device, 66 x 4 0.26; kernel_device_region.json);
+        # - 8 warps: fp8 values and landmarks, tiered, pipelined at 122K x 31 on an H200, 725 tok/s twice against
+        #   693-703 three times with 4 warps (8 misses a program: 676; 33 programs: 427-462; fetch_grid/fp8lm_tier_*,
+        #   repeats_122k.json).
         few_per_program = config.value_format == "fp8" or config.prefetch or config.device_value_share > 0
-        programs, self.fetch_misses_per_program = (66, 4) if few_per_program else (8, 32)
+        programs, self.fetch_misses_per_program, self.fetch_warps = (66, 4, 8) if few_per_program else (8, 32, 4)
         self.fetch_programs = programs if self.device.type == "cuda" else None  # None: one program per work item
-        self.fetch_warps = 4
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
         self._splits: dict[int, tuple[AttentionMetadata, BatchSplit]] = {}  # this forward's, by metadata
         self._plans: list[DecodePlan] = []  # this forward's fast-path plans (one per pipelined half)
