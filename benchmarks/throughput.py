@@ -16,7 +16,8 @@ Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_fp8
 ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_prefetch][_pipelined]
 (_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
 run's memory, so the device memory a host-bound batch leaves over holds values; _prefetch: speculative value
-prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf; each
+prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf (its dynamic cache), hf_static (its
+static cache; the ratios to HF take the faster of the two); each
 engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it (8 and its
 largest). --merge keeps the rows of an earlier file that this run does not redo.
 """
@@ -45,7 +46,7 @@ ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "sh
                   "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
                   "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
                   "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered_pipelined")
-METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf")
+METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
 
@@ -73,7 +74,7 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = base.removesuffix("_prefetch")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
-    shadow = {"dense": None, "hf": None, "shadowkv": cfg,
+    shadow = {"dense": None, "hf": None, "hf_static": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
               "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
     if prefetch:
@@ -249,7 +250,8 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
         release(device)
 
 
-def run_hf(run: dict, max_batch: int) -> list[dict]:
+def run_hf(run: dict, method: str, max_batch: int) -> list[dict]:
+    """Hugging Face transformers: `hf` with its dynamic cache, `hf_static` with its static cache."""
     g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
     model = hf_baseline.load(run["config_dir"], dtype_for(device), device)
     try:
@@ -257,8 +259,9 @@ def run_hf(run: dict, max_batch: int) -> list[dict]:
         hf_baseline.prefill(model, prompt[:min(context, 8192) - 1], device)  # warm-up, as the engines have
         ttft, token, prefix = hf_baseline.prefill(model, prompt, device)
         release(device)
-        results = hf_baseline.sweep(model, prefix, token, max_batch, args.steps, args.warmup_steps, device)
-        rows = [row_for(run, "hf", b, times, ttft, peak, 0, None, dense_floor_s(g, context, b, run["copy_bps"]))
+        results = hf_baseline.sweep(model, prefix, token, max_batch, args.steps, args.warmup_steps, device,
+                                    static=method == "hf_static")
+        rows = [row_for(run, method, b, times, ttft, peak, 0, None, dense_floor_s(g, context, b, run["copy_bps"]))
                 for b, times, peak in results]
         print_table(rows, COLUMNS)
         return rows
@@ -293,7 +296,8 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
              "infinite_memory_tok_s": infinite_memory_tok_s(geometries[model], context, copy_bps)}
         for method, r in best.items():
             s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
-        sk, dense, hf = best.get("shadowkv"), best.get("dense"), best.get("hf")
+        sk, dense = best.get("shadowkv"), best.get("dense")
+        hf = max((best[m] for m in ("hf", "hf_static") if m in best), key=lambda r: r["decode_tok_s"], default=None)
         fastest = max((r for m, r in best.items() if m.startswith("shadowkv") and not m.endswith("_eager")),
                       key=lambda r: r["decode_tok_s"], default=None)
         if fastest and dense:
@@ -486,7 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
             failures.append({"context": context, "method": method, "error": f"batches {batches}, {steps} steps"})
             continue
         try:
-            rows += run_hf(run, dense_max) if method == "hf" else run_engine(run, method, batches, profile_at)
+            rows += run_hf(run, method, dense_max) if method.startswith("hf") else \
+                run_engine(run, method, batches, profile_at)
         except Exception as exc:  # one failed configuration is recorded; the others still run
             failures.append({"context": context, "method": method, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from benchmarks import hf_baseline
 from benchmarks import throughput as tp
 from benchmarks.memory_model import TINY_SHADOWKV, _spec, write_config
 from benchmarks.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
@@ -29,6 +30,17 @@ def test_a_cloned_sequence_decodes_the_same_tokens_as_its_source(cfg):
     source, clone = engine.requests["r0"].output_token_ids, engine.requests["r1"].output_token_ids
     engine.close()
     assert clone == source and len(source) == 10
+
+
+def test_hf_static_cache_decodes_the_same_tokens_as_its_dynamic_cache():
+    """The HF baseline's two caches, each filled from the same prefilled prompt and replicated to the batch: the
+    static one (written once, positions given) generates exactly the dynamic one's greedy tokens."""
+    model = hf_baseline.load(write_config(tp.geometry_config("tiny", 1024)), torch.float32, "cpu")
+    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    _, token, prefix = hf_baseline.prefill(model, prompt, "cpu")
+    dynamic, static = (hf_baseline.decode(model, prefix, token, 3, 6, 1, "cpu", static=s)[1] for s in (False, True))
+    assert dynamic.shape == (3, 6) and torch.equal(dynamic, static)
+    assert len(set(dynamic[0].tolist())) > 1  # the tokens change from step to step: positions are honoured
 
 
 def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
@@ -63,11 +75,13 @@ def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps(dict(saved, rows=saved["rows"] + [other])))
     more = tp.main(["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "2", "--warmup-steps", "1",
                     "--profile-steps", "1", "--max-new-tokens", "24", "--max-batch", "3", "--merge",
-                    "--methods", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch", "--out", str(tmp_path / "t.json"),
+                    "--methods", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch", "hf_static",
+                    "--out", str(tmp_path / "t.json"),
                     "--kernels-json", str(kernels)])
     merged = json.loads((tmp_path / "t.json").read_text())
     methods = [r["method"] for r in merged["rows"]]
-    assert set(methods) == {"dense", "shadowkv", "hf", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch"}
+    assert set(methods) == {"dense", "shadowkv", "hf", "shadowkv_fp8", "shadowkv_eager", "shadowkv_prefetch",
+                            "hf_static"}
     assert all(r["command"] == saved["environment"]["command"] for r in merged["rows"] if "command" in r)
     assert len(methods) == len(out["rows"]) + len(more["rows"]) + 1
     assert [s["model"] for s in merged["summary"]] == ["llama-3.1-8b", "tiny"]
