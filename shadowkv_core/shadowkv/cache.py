@@ -93,9 +93,9 @@ class ShadowKVCache(KVCache):
         # - with a device value region a program's device misses wait on its host ones, so time tracks host bytes
         #   only with few misses per program (122K x 13, all misses: 32 x 8 takes 0.67 ms with 95 % of the pages on
         #   the device, 66 x 4 0.26; kernel_device_region.json);
-        # - 8 warps: fp8 values and landmarks, tiered, pipelined at 122K x 31 on an H200, 725 tok/s twice against
-        #   693-703 three times with 4 warps (8 misses a program: 676; 33 programs: 427-462; fetch_grid/fp8lm_tier_*,
-        #   repeats_122k.json).
+        # - 8 warps: fp8 values and landmarks, tiered, pipelined at 122K x 31 on an H200, 725-728 tok/s in three
+        #   runs against 693-703 in three with 4 warps (8 misses a program: 676; 33 programs: 427-462;
+        #   fetch_grid/fp8lm_tier_*, repeats_122k_host.json).
         few_per_program = config.value_format == "fp8" or config.prefetch or config.device_value_share > 0
         programs, self.fetch_misses_per_program, self.fetch_warps = (66, 4, 8) if few_per_program else (8, 32, 4)
         self.fetch_programs = programs if self.device.type == "cuda" else None  # None: one program per work item
