@@ -27,14 +27,19 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_requests_fill_every_replica_before_any_is_refused(url):
-    body = {"model": "tiny", "prompt": "route me", "max_tokens": 400, "ignore_eos": True}
+    # as long as the model length allows, and the overflow sent as soon as every slot is seen taken: on a fast
+    # machine 400 tokens and a fixed 1 s wait let the first requests finish before the overflow arrived
+    body = {"model": "tiny", "prompt": "route me", "max_tokens": 960, "ignore_eos": True}
     capacity = SLOTS_PER_REPLICA * REPLICAS
 
     async def fill_then_overflow():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             running = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(capacity)]
-            await asyncio.sleep(1.0)
-            metrics = (await http.get("/metrics")).text
+            for _ in range(200):  # at most about 10 s
+                await asyncio.sleep(0.05)
+                metrics = (await http.get("/metrics")).text
+                if _metric(metrics, "shadowkv_num_running") == capacity:
+                    break
             overflow = await http.post("/v1/completions", json=body)
             return await asyncio.gather(*running), metrics, overflow
 
