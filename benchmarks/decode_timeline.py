@@ -51,7 +51,8 @@ def kernel_group(name: str) -> str:
 def analyse(events: list[dict]) -> list[dict]:
     """Chrome-trace events (torch.profiler's export, times in microseconds) -> one dict per engine step (the host
     ranges named as HOST_PHASES' keys), of the device work that starts inside it."""
-    host = [e for e in events if e.get("ph") == "X" and e.get("name") in HOST_PHASES]
+    # the host's ranges only: the profiler also writes each range's span on the GPU (gpu_user_annotation)
+    host = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in HOST_PHASES]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     steps = sorted((e for e in host if e["name"] == "timeline:step"), key=lambda e: e["ts"])
     out = []

@@ -27,6 +27,8 @@ def test_a_step_with_a_late_start_and_gaps_between_fetches():
         kernel("nvjet_sm90_gemm", 7_000, 2_000, 7),
         host("step", 20_000, 1_000), kernel("_rms_norm_kernel", 20_100, 100, 7),  # a second step, no fetch
         kernel("_fetch_values_kernel", 40_000, 100, 9),  # in no step
+        # the profiler's GPU span of a host range, which is not a step of its own
+        dict(host("step", 2_000, 7_000), cat="gpu_user_annotation"),
     ]
     first, second = analyse(events)
     assert first["host_ms"] == 10.0 and first["first_device_work_ms"] == 2.0

@@ -229,12 +229,12 @@ class ShadowKVCache(KVCache):
         plan's tensors as its inputs and overwrites them)."""
         key = tuple(map(id, states))
         held = self._page_tables.pop(key, None)
-        if held is None or any(a is not b for a, b in zip(held[0], states)):
+        if held is None:
             width = triton.next_power_of_2(max(len(st.gpu_pages) for st in states))
             rows = [[st.gpu_pages + [0] * (width - len(st.gpu_pages)) for st in states],
                     [st.host_pages + [0] * (width - len(st.host_pages)) for st in states]]
             held = (tuple(states), torch.tensor(rows, dtype=torch.int32).to(self.device))
-        self._page_tables[key] = held  # most recent last; the held states keep their ids from being reused
+        self._page_tables[key] = held  # most recent last; holding the states keeps their ids from being reused
         while len(self._page_tables) > self.held_page_tables:
             self._page_tables.popitem(last=False)
         return held[1].clone()
