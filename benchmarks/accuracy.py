@@ -149,10 +149,12 @@ def _mean(values) -> float | None:
 
 
 def heatmaps(rows: list[dict], out_dir: Path) -> list[Path]:
+    grid = [r for r in rows if r["task"] == "niah_grid"]
+    if not grid:  # a run without the NIAH grid (--niah-contexts with none) draws nothing
+        return []
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    grid = [r for r in rows if r["task"] == "niah_grid"]
     paths = []
     for method in ("dense", "shadowkv", "quest"):
         cells = [r for r in grid if r["method"] == method and (method == "dense" or r["budget"] == HEATMAP_BUDGET)]

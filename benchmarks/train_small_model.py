@@ -6,7 +6,10 @@ rows of plain text (language-model loss on every token) and of the synthetic tas
 (language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Optionally
 (--key-rank-weight, off for the shipped model) a key low-rank regulariser: the share of each layer's pre-RoPE key
 energy outside its top-r eigen-directions, r being the rank ShadowKV keeps (15.6 % of kv_heads*head_dim, as 160 is of
-Llama-3-8B's 1024); the log reports that share at every log line either way. docs/accuracy.md says what it did.
+Llama-3-8B's 1024); and (--landmark-weight, off too) a landmark divergence at the answer positions: how far the
+softmax over chunk landmarks, what ShadowKV selects chunks by, is from the dense attention's mass per chunk. The log
+reports both at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
+instead of training from scratch (with --min-context, on the curriculum's longer stages only).
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
 
@@ -39,6 +42,8 @@ TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 KEY_SUBSPACE_ITERS = 4  # subspace iterations for the regulariser's top-r basis: its tail within 0.1 % of eigh's
+LANDMARK_CHUNK = 8  # the accuracy harness's ShadowKV chunk size
+LANDMARK_WINDOW = 32  # its local chunks (4 of 8 tokens): the end of a prompt a decode step attends exactly
 
 
 def model_config() -> dict:
@@ -116,23 +121,79 @@ def _orthonormal(y: torch.Tensor) -> torch.Tensor:
 
 
 class KeyCapture:
-    """Forward hooks on every layer's self_attn.k_proj of a Hugging Face Llama: `keys` holds their outputs, (B, L, W)
-    each, from the latest forward pass."""
+    """Forward hooks on every layer's self_attn.k_proj (and with `queries`, q_proj) of a Hugging Face Llama: `keys`
+    (and `queries`) hold their outputs, (B, L, W) each, from the latest forward pass."""
 
-    def __init__(self, model):
+    def __init__(self, model, queries: bool = False):
         self.keys: list[torch.Tensor] = []
-        self.handles = [layer.self_attn.k_proj.register_forward_hook(self._hook) for layer in model.model.layers]
+        self.queries: list[torch.Tensor] = []
+        layers = model.model.layers
+        self.handles = [layer.self_attn.k_proj.register_forward_hook(self._hook(self.keys)) for layer in layers]
+        if queries:
+            self.handles += [layer.self_attn.q_proj.register_forward_hook(self._hook(self.queries)) for layer in layers]
 
-    def _hook(self, module, inputs, output) -> None:
-        self.keys.append(output)
+    @staticmethod
+    def _hook(into: list):
+        return lambda module, inputs, output: into.append(output)
 
     def take(self) -> list[torch.Tensor]:
-        keys, self.keys = self.keys, []
+        keys, self.keys[:] = list(self.keys), []
         return keys
+
+    def take_queries(self) -> list[torch.Tensor]:
+        queries, self.queries[:] = list(self.queries), []
+        return queries
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's RoPE (rotate-half convention) of x (..., d) with cos/sin broadcast to it."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def landmark_divergence(queries: torch.Tensor, keys: torch.Tensor, answer_mask: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, num_kv_heads: int, chunk: int = LANDMARK_CHUNK,
+                        window: int = LANDMARK_WINDOW, span: int = ANSWER_SLOT) -> torch.Tensor:
+    """How far ShadowKV's chunk scores are from the attention they stand for, at the answer positions of one layer.
+
+    queries (B, L, Hq*d), keys (B, L, Hkv*d) pre-RoPE projections; answer_mask (B, L) bool (a task row's answer
+    positions follow each other; a text row has none); cos/sin (L, d) RoPE at positions 0..L-1. For each answer
+    position t and query head: P, the dense attention's mass on each chunk of `chunk` tokens that ends `window`
+    tokens or more before t (renormalised over those chunks; no gradient: the target), and Q, the softmax over the
+    same chunks of the query against each chunk's landmark (mean post-RoPE key) — what ShadowKV ranks chunks by.
+    Returns KL(P || Q) weighted by the mass P covers (attention that stays in the exact local window needs no
+    landmark), averaged over answer positions and query heads: fp32, 0 without answer positions."""
+    B, L, _ = keys.shape
+    d = cos.shape[-1]
+    Hkv, Hq = num_kv_heads, queries.shape[-1] // d
+    n, G = L // chunk, Hq // Hkv
+    first = answer_mask.int().argmax(1)  # (B,) first answer position (0 for text rows, whose weight is 0)
+    pos = first[:, None] + torch.arange(span, device=keys.device)  # (B, A)
+    weight = (answer_mask.gather(1, pos.clamp(max=L - 1)) & (pos < L)).float()  # (B, A), each position once
+    pos = pos.clamp(max=L - 1)
+    k = rotate(keys.float().view(B, L, Hkv, d).transpose(1, 2), cos, sin)  # (B, Hkv, L, d)
+    q = queries.float().view(B, L, Hq, d).gather(1, pos[..., None, None].expand(-1, -1, Hq, d))  # (B, A, Hq, d)
+    q = rotate(q, cos[pos][:, :, None], sin[pos][:, :, None])
+    q = q.view(B, span, Hkv, G, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, A, d)
+    scale = d ** -0.5
+    chunk_end = torch.arange(1, n + 1, device=keys.device) * chunk - 1  # (n,) last token of each chunk
+    sparse = (chunk_end < pos[..., None] - window)[:, None, None]  # (B, 1, 1, A, n)
+    with torch.no_grad():
+        logits = torch.einsum("bhgad,bhld->bhgal", q, k) * scale  # (B, Hkv, G, A, L)
+        future = torch.arange(L, device=keys.device) > pos[..., None]  # (B, A, L)
+        mass = logits.masked_fill_(future[:, None, None], float("-inf")).softmax(-1)
+        mass = mass.view(B, Hkv, G, span, n, chunk).sum(-1) * sparse  # (B, Hkv, G, A, n)
+        covered = mass.sum(-1)  # (B, Hkv, G, A)
+        target = mass / covered[..., None].clamp(min=1e-9)
+    landmarks = k.view(B, Hkv, n, chunk, d).mean(3)  # (B, Hkv, n, d)
+    scores = (torch.einsum("bhgad,bhnd->bhgan", q, landmarks) * scale).masked_fill(~sparse, -1e4)
+    kl = (target * (target.clamp(min=1e-12).log() - scores.log_softmax(-1))).masked_fill(~sparse, 0).sum(-1)
+    per_position = (kl * covered).sum((1, 2)) / Hq  # (B, A)
+    return (per_position * weight).sum() / weight.sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------- data
@@ -174,30 +235,40 @@ class StepBatches(torch.utils.data.Dataset):
 
 
 def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, key_weight: float,
-            key_iters: int | None = KEY_SUBSPACE_ITERS, measure_tail: bool = True):
-    """(loss, lm, answer, key tail): the last three detached; key tail averaged over layers and rows, computed when
-    key_weight > 0 or measure_tail (else 0)."""
+            key_iters: int | None = KEY_SUBSPACE_ITERS, measure: bool = True, landmark_weight: float = 0.0):
+    """(loss, lm, answer, key tail, landmark divergence): the last four detached; key tail averaged over layers and
+    rows, landmark divergence (landmark_divergence) over layers, each computed when its weight is > 0 or `measure`
+    (else 0; the divergence needs a capture made with queries)."""
     capture.take()
+    capture.take_queries()
     with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids).logits  # (B, L, V)
-    keys = capture.take()
-    tail = torch.zeros((), device=ids.device)
-    if key_weight > 0 or measure_tail:
+    keys, queries = capture.take(), capture.take_queries()
+    tail = divergence = torch.zeros((), device=ids.device)
+    if key_weight > 0 or measure:
         with torch.set_grad_enabled(key_weight > 0 and torch.is_grad_enabled()):
             tail = key_tail(torch.cat(keys), rank, key_iters).mean()  # every layer's rows in one batch
+    if queries and (landmark_weight > 0 or measure):
+        with torch.set_grad_enabled(landmark_weight > 0 and torch.is_grad_enabled()):
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
+            cos, sin = (t[0] for t in model.model.rotary_emb(keys[0].float(), positions))
+            divergence = torch.stack([landmark_divergence(q, k, answer_mask, cos, sin, model.config.num_key_value_heads)
+                                      for q, k in zip(queries, keys)]).mean()
     targets = torch.roll(ids, -1, dims=1)
     token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # fp32 CE
     token_loss = token_loss.view_as(ids)
     # masked means, not boolean indexing: no host sync, so the CPU builds the next batch while the GPU works
     lm = (token_loss * lm_mask).sum() / lm_mask.sum().clamp(min=1)
     answer = (token_loss * answer_mask).sum() / answer_mask.sum().clamp(min=1)
-    return LM_WEIGHT * lm + answer + key_weight * tail, lm.detach(), answer.detach(), tail.detach()
+    loss = LM_WEIGHT * lm + answer + key_weight * tail + landmark_weight * divergence
+    return loss, lm.detach(), answer.detach(), tail.detach(), divergence.detach()
 
 
 # ---------------------------------------------------------------- training
 
-def schedule(scale: float, max_context: int) -> list[tuple[int, int]]:
-    return [(length, max(1, round(steps * scale))) for length, steps in CURRICULUM if length <= max_context]
+def schedule(scale: float, max_context: int, min_context: int = 0) -> list[tuple[int, int]]:
+    return [(length, max(1, round(steps * scale))) for length, steps in CURRICULUM
+            if min_context <= length <= max_context]
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
@@ -210,10 +281,10 @@ def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> floa
 def train(model, args, log) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=args.device == "cuda")
-    batches = StepBatches(schedule(args.step_scale, args.max_context), args)
+    batches = StepBatches(schedule(args.step_scale, args.max_context, args.min_context), args)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers,
                                          pin_memory=args.device == "cuda", prefetch_factor=4 if args.workers else None)
-    capture, rank = KeyCapture(model), key_rank(model.config)
+    capture, rank = KeyCapture(model, queries=True), key_rank(model.config)
     total, start = len(batches), time.time()
     for step, tensors in enumerate(loader):
         if time.time() - start > args.max_minutes * 60:
@@ -222,17 +293,18 @@ def train(model, args, log) -> dict:
             return {"steps": step, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total, args.lr)
-        loss, lm, answer, tail = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors),
-                                         capture, rank, args.key_rank_weight,
-                                         None if args.key_subspace_iters < 0 else args.key_subspace_iters,
-                                         measure_tail=step % args.log_every == 0 or step == total - 1)
+        logged = step % args.log_every == 0 or step == total - 1
+        loss, lm, answer, tail, divergence = loss_fn(
+            model, *(t.to(args.device, non_blocking=True) for t in tensors), capture, rank, args.key_rank_weight,
+            None if args.key_subspace_iters < 0 else args.key_subspace_iters, logged, args.landmark_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % args.log_every == 0 or step == total - 1:
+        if logged:
             log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} lm {lm.item():.3f} "
-                f"answer {answer.item():.3f} key tail (rank {rank}) {tail.item():.3f} {time.time() - start:6.1f}s")
+                f"answer {answer.item():.3f} key tail (rank {rank}) {tail.item():.3f} "
+                f"landmark KL {divergence.item():.3f} {time.time() - start:6.1f}s")
     capture.close()
     return {"steps": total, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
 
@@ -300,10 +372,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
+    parser.add_argument("--min-context", type=int, default=0, help="drop shorter curriculum stages")
+    parser.add_argument("--init", default=None, help="start from this saved model (fine-tuning) instead of from scratch")
     parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
     parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
     parser.add_argument("--key-rank-weight", type=float, default=0.0,
                         help="weight of the key low-rank regulariser (0: none, the shipped model; 1 was tried)")
+    parser.add_argument("--landmark-weight", type=float, default=0.0,
+                        help="weight of the landmark divergence at answer positions (0: none)")
     parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
                         help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
@@ -315,9 +391,14 @@ def main() -> None:
     command = "python -m benchmarks.train_small_model " + " ".join(sys.argv[1:])
     log = lambda msg: print(msg, flush=True)  # noqa: E731
 
-    model = build_model(args.seed, args.device)
+    if args.init:
+        from transformers import AutoModelForCausalLM
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(args.device)
+    else:
+        model = build_model(args.seed, args.device)
     info = train(model, args, log)
-    info.update(key_rank_weight=args.key_rank_weight,
+    info.update(init=args.init, key_rank_weight=args.key_rank_weight, landmark_weight=args.landmark_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 parameters=sum(p.numel() for p in model.parameters()))
     save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights

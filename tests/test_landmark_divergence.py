@@ -1,0 +1,78 @@
+"""The landmark divergence of benchmarks/train_small_model.py: how far ShadowKV's chunk scores are from dense attention."""
+import math
+
+import torch
+
+from benchmarks.train_small_model import landmark_divergence, rotate
+
+
+def rope(length: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    angles = torch.arange(length).float()[:, None] * inv
+    emb = torch.cat([angles, angles], -1)
+    return emb.cos(), emb.sin()
+
+
+def brute_force(queries, keys, answer_mask, cos, sin, kv_heads, chunk, window):
+    """The same quantity, one answer position and query head at a time."""
+    B, L, _ = keys.shape
+    d = cos.shape[-1]
+    Hq = queries.shape[-1] // d
+    total = count = 0.0
+    for b in range(B):
+        for t in answer_mask[b].nonzero().flatten().tolist():
+            count += 1
+            for h in range(Hq):
+                kh = h // (Hq // kv_heads)
+                k = rotate(keys[b, :, kh * d:(kh + 1) * d].double(), cos.double(), sin.double())  # (L, d)
+                q = rotate(queries[b, t, h * d:(h + 1) * d].double(), cos[t].double(), sin[t].double())
+                attn = torch.softmax(k[:t + 1] @ q / math.sqrt(d), 0)
+                chunks = [c for c in range(L // chunk) if (c + 1) * chunk - 1 < t - window]
+                p = torch.stack([attn[c * chunk:(c + 1) * chunk].sum() for c in chunks])
+                covered = p.sum()
+                p = p / covered
+                logits = torch.stack([k[c * chunk:(c + 1) * chunk].mean(0) @ q / math.sqrt(d) for c in chunks])
+                kl = (p * (p.log() - torch.log_softmax(logits, 0))).sum()
+                total += float(kl * covered) / Hq
+    return total / max(count, 1)
+
+
+def random_case(seed: int, B=3, L=96, Hq=4, Hkv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(B, L, Hq * d, generator=g)
+    keys = torch.randn(B, L, Hkv * d, generator=g)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, 60:67] = True  # a task row's answer
+    mask[2, 85:96] = True  # one that runs to the row's end
+    return queries, keys, mask  # row 1: plain text, no answer
+
+
+def test_matches_brute_force_on_random_rows():
+    queries, keys, mask = random_case(0)
+    cos, sin = rope(96, 8)
+    got = landmark_divergence(queries, keys, mask, cos, sin, num_kv_heads=2, chunk=4, window=8, span=12)
+    want = brute_force(queries, keys, mask, cos, sin, 2, 4, 8)
+    assert want > 0.01
+    assert abs(float(got) - want) < 1e-4 * max(1.0, want)
+
+
+def test_zero_when_landmarks_stand_for_their_chunks_and_without_answers():
+    queries, keys, mask = random_case(1)
+    keys = keys.view(3, 24, 4, 16)[:, :, :1].expand(-1, -1, 4, -1).reshape(3, 96, 16)  # one key per chunk of 4
+    still = torch.ones(96, 8), torch.zeros(96, 8)  # no rotation: every token of a chunk has its landmark's key
+    assert float(landmark_divergence(queries, keys, mask, *still, num_kv_heads=2, chunk=4, window=8, span=12)) < 1e-6
+    none = torch.zeros_like(mask)
+    assert float(landmark_divergence(queries, keys, none, *rope(96, 8), num_kv_heads=2, chunk=4, window=8)) == 0.0
+
+
+def test_its_gradient_lowers_it():
+    queries, keys, mask = random_case(2)
+    cos, sin = rope(96, 8)
+    keys.requires_grad_()
+    before = landmark_divergence(queries, keys, mask, cos, sin, num_kv_heads=2, chunk=4, window=8, span=12)
+    before.backward()
+    assert torch.isfinite(keys.grad).all()
+    with torch.no_grad():
+        step = keys - 0.05 * keys.grad / keys.grad.norm() * keys.norm()
+        after = landmark_divergence(queries, step, mask, cos, sin, num_kv_heads=2, chunk=4, window=8, span=12)
+    assert after < before
