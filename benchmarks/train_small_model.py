@@ -155,44 +155,88 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def answer_queries(queries: torch.Tensor, answer_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   num_kv_heads: int, span: int = ANSWER_SLOT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-RoPE queries of each row's answer positions, grouped by KV head.
+
+    queries (B, L, Hq*d) pre-RoPE; answer_mask (B, L) bool (a task row's answer positions follow each other; a text
+    row has none); cos/sin (L, d) -> q (B, Hkv, G, A, d) fp32 at positions pos (B, A) (the `span` positions from each
+    row's first answer position, clamped to the row) and weight (B, A): 1 where pos is an answer position, counted
+    once."""
+    B, L, _ = queries.shape
+    d = cos.shape[-1]
+    Hq = queries.shape[-1] // d
+    first = answer_mask.int().argmax(1)  # (B,) first answer position (0 for text rows, whose weight is 0)
+    pos = first[:, None] + torch.arange(span, device=queries.device)  # (B, A)
+    weight = (answer_mask.gather(1, pos.clamp(max=L - 1)) & (pos < L)).float()
+    pos = pos.clamp(max=L - 1)
+    q = queries.float().view(B, L, Hq, d).gather(1, pos[..., None, None].expand(-1, -1, Hq, d))  # (B, A, Hq, d)
+    q = rotate(q, cos[pos][:, :, None], sin[pos][:, :, None])
+    return q.view(B, span, num_kv_heads, Hq // num_kv_heads, d).permute(0, 2, 3, 1, 4), pos, weight
+
+
+def rotated_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """keys (B, L, Hkv*d) pre-RoPE -> (B, Hkv, L, d) fp32 post-RoPE."""
+    B, L, _ = keys.shape
+    return rotate(keys.float().view(B, L, num_kv_heads, -1).transpose(1, 2), cos, sin)
+
+
+def causal_logits(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q (B, Hkv, G, A, d) at positions pos (B, A), k (B, Hkv, L, d) -> scaled logits (B, Hkv, G, A, L), -inf past
+    each query's position."""
+    logits = torch.einsum("bhgad,bhld->bhgal", q, k) * q.shape[-1] ** -0.5
+    future = torch.arange(k.shape[2], device=k.device) > pos[..., None]  # (B, A, L)
+    return logits.masked_fill(future[:, None, None], float("-inf"))
+
+
 def landmark_divergence(queries: torch.Tensor, keys: torch.Tensor, answer_mask: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, num_kv_heads: int, chunk: int = LANDMARK_CHUNK,
                         window: int = LANDMARK_WINDOW, span: int = ANSWER_SLOT) -> torch.Tensor:
     """How far ShadowKV's chunk scores are from the attention they stand for, at the answer positions of one layer.
 
-    queries (B, L, Hq*d), keys (B, L, Hkv*d) pre-RoPE projections; answer_mask (B, L) bool (a task row's answer
-    positions follow each other; a text row has none); cos/sin (L, d) RoPE at positions 0..L-1. For each answer
-    position t and query head: P, the dense attention's mass on each chunk of `chunk` tokens that ends `window`
-    tokens or more before t (renormalised over those chunks; no gradient: the target), and Q, the softmax over the
-    same chunks of the query against each chunk's landmark (mean post-RoPE key) — what ShadowKV ranks chunks by.
-    Returns KL(P || Q) weighted by the mass P covers (attention that stays in the exact local window needs no
-    landmark), averaged over answer positions and query heads: fp32, 0 without answer positions."""
+    queries (B, L, Hq*d), keys (B, L, Hkv*d) pre-RoPE projections, answer_mask and span as in answer_queries;
+    cos/sin (L, d) RoPE at positions 0..L-1. For each answer position t and query head: P, the dense attention's mass
+    on each chunk of `chunk` tokens that ends `window` tokens or more before t (renormalised over those chunks; no
+    gradient: the target), and Q, the softmax over the same chunks of the query against each chunk's landmark (mean
+    post-RoPE key) — what ShadowKV ranks chunks by. Returns KL(P || Q) weighted by the mass P covers (attention that
+    stays in the exact local window needs no landmark), averaged over answer positions and query heads: fp32, 0
+    without answer positions."""
     B, L, _ = keys.shape
-    d = cos.shape[-1]
-    Hkv, Hq = num_kv_heads, queries.shape[-1] // d
-    n, G = L // chunk, Hq // Hkv
-    first = answer_mask.int().argmax(1)  # (B,) first answer position (0 for text rows, whose weight is 0)
-    pos = first[:, None] + torch.arange(span, device=keys.device)  # (B, A)
-    weight = (answer_mask.gather(1, pos.clamp(max=L - 1)) & (pos < L)).float()  # (B, A), each position once
-    pos = pos.clamp(max=L - 1)
-    k = rotate(keys.float().view(B, L, Hkv, d).transpose(1, 2), cos, sin)  # (B, Hkv, L, d)
-    q = queries.float().view(B, L, Hq, d).gather(1, pos[..., None, None].expand(-1, -1, Hq, d))  # (B, A, Hq, d)
-    q = rotate(q, cos[pos][:, :, None], sin[pos][:, :, None])
-    q = q.view(B, span, Hkv, G, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, A, d)
-    scale = d ** -0.5
+    q, pos, weight = answer_queries(queries, answer_mask, cos, sin, num_kv_heads, span)
+    k = rotated_keys(keys, cos, sin, num_kv_heads)  # (B, Hkv, L, d)
+    Hkv, G, d, n = q.shape[1], q.shape[2], q.shape[-1], L // chunk
     chunk_end = torch.arange(1, n + 1, device=keys.device) * chunk - 1  # (n,) last token of each chunk
     sparse = (chunk_end < pos[..., None] - window)[:, None, None]  # (B, 1, 1, A, n)
     with torch.no_grad():
-        logits = torch.einsum("bhgad,bhld->bhgal", q, k) * scale  # (B, Hkv, G, A, L)
-        future = torch.arange(L, device=keys.device) > pos[..., None]  # (B, A, L)
-        mass = logits.masked_fill_(future[:, None, None], float("-inf")).softmax(-1)
+        mass = causal_logits(q, k, pos).softmax(-1)
         mass = mass.view(B, Hkv, G, span, n, chunk).sum(-1) * sparse  # (B, Hkv, G, A, n)
         covered = mass.sum(-1)  # (B, Hkv, G, A)
         target = mass / covered[..., None].clamp(min=1e-9)
     landmarks = k.view(B, Hkv, n, chunk, d).mean(3)  # (B, Hkv, n, d)
-    scores = (torch.einsum("bhgad,bhnd->bhgan", q, landmarks) * scale).masked_fill(~sparse, -1e4)
+    scores = (torch.einsum("bhgad,bhnd->bhgan", q, landmarks) * d ** -0.5).masked_fill(~sparse, -1e4)
     kl = (target * (target.clamp(min=1e-12).log() - scores.log_softmax(-1))).masked_fill(~sparse, 0).sum(-1)
-    per_position = (kl * covered).sum((1, 2)) / Hq  # (B, A)
+    per_position = (kl * covered).sum((1, 2)) / (Hkv * G)  # (B, A)
+    return (per_position * weight).sum() / weight.sum().clamp(min=1)
+
+
+def rank_attention_divergence(queries: torch.Tensor, keys: torch.Tensor, answer_mask: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, num_kv_heads: int, rank: int,
+                              iters: int | None = KEY_SUBSPACE_ITERS, span: int = ANSWER_SLOT) -> torch.Tensor:
+    """How far attention over ShadowKV's rank-`rank` keys is from dense attention, at the answer positions of one
+    layer: KL(dense || rank-r) over each answer position's causal keys, averaged over answer positions and query
+    heads (fp32, 0 without answer positions). The rank-r keys are each row's pre-RoPE keys (all KV heads
+    concatenated) projected on the top-`rank` eigen-directions of their KᵀK, as factorize_keys keeps them (the basis
+    without gradient, top_subspace); the dense side is the target (no gradient). Unlike the key tail, which weighs
+    every key's energy alike, this weighs the key error by what the queries that retrieve read of it."""
+    q, pos, weight = answer_queries(queries, answer_mask, cos, sin, num_kv_heads, span)
+    k = keys.float()
+    with torch.no_grad():
+        basis = top_subspace(k.transpose(1, 2) @ k, rank, iters)  # (B, W, r)
+        target = causal_logits(q, rotated_keys(keys, cos, sin, num_kv_heads), pos).softmax(-1)
+    low = rotated_keys((k @ basis) @ basis.transpose(1, 2), cos, sin, num_kv_heads)
+    log_low = causal_logits(q, low, pos).log_softmax(-1)
+    kl = (target * (target.clamp(min=1e-30).log() - log_low.clamp(min=-1e4))).sum(-1)  # (B, Hkv, G, A); no 0·inf
+    per_position = kl.mean((1, 2))  # (B, A)
     return (per_position * weight).sum() / weight.sum().clamp(min=1)
 
 
@@ -235,33 +279,44 @@ class StepBatches(torch.utils.data.Dataset):
 
 
 def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, key_weight: float,
-            key_iters: int | None = KEY_SUBSPACE_ITERS, measure: bool = True, landmark_weight: float = 0.0):
-    """(loss, lm, answer, key tail, landmark divergence): the last four detached; key tail averaged over layers and
-    rows, landmark divergence (landmark_divergence) over layers, each computed when its weight is > 0 or `measure`
-    (else 0; the divergence needs a capture made with queries)."""
+            key_iters: int | None = KEY_SUBSPACE_ITERS, measure: bool = True, landmark_weight: float = 0.0,
+            rank_attention_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, terms): terms (detached) lm, answer, key tail (key_tail, averaged over layers and rows), landmark KL
+    (landmark_divergence) and rank attention KL (rank_attention_divergence), the last two averaged over layers;
+    each of the last three is computed when its weight is > 0 or `measure` (else 0; the two divergences need a
+    capture made with queries)."""
     capture.take()
     capture.take_queries()
     with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids).logits  # (B, L, V)
     keys, queries = capture.take(), capture.take_queries()
-    tail = divergence = torch.zeros((), device=ids.device)
+    zero = torch.zeros((), device=ids.device)
+    terms = {"key tail": zero, "landmark KL": zero, "rank attention KL": zero}
     if key_weight > 0 or measure:
         with torch.set_grad_enabled(key_weight > 0 and torch.is_grad_enabled()):
-            tail = key_tail(torch.cat(keys), rank, key_iters).mean()  # every layer's rows in one batch
-    if queries and (landmark_weight > 0 or measure):
-        with torch.set_grad_enabled(landmark_weight > 0 and torch.is_grad_enabled()):
-            positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            cos, sin = (t[0] for t in model.model.rotary_emb(keys[0].float(), positions))
-            divergence = torch.stack([landmark_divergence(q, k, answer_mask, cos, sin, model.config.num_key_value_heads)
-                                      for q, k in zip(queries, keys)]).mean()
+            terms["key tail"] = key_tail(torch.cat(keys), rank, key_iters).mean()  # every layer's rows in one batch
+    if queries:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        cos, sin = (t[0] for t in model.model.rotary_emb(keys[0].float(), positions))
+        heads = model.config.num_key_value_heads
+        divergences = {
+            "landmark KL": (landmark_weight, lambda q, k: landmark_divergence(q, k, answer_mask, cos, sin, heads)),
+            "rank attention KL": (rank_attention_weight, lambda q, k: rank_attention_divergence(
+                q, k, answer_mask, cos, sin, heads, rank, key_iters)),
+        }
+        for name, (weight, divergence) in divergences.items():
+            if weight > 0 or measure:
+                with torch.set_grad_enabled(weight > 0 and torch.is_grad_enabled()):
+                    terms[name] = torch.stack([divergence(q, k) for q, k in zip(queries, keys)]).mean()
     targets = torch.roll(ids, -1, dims=1)
     token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # fp32 CE
     token_loss = token_loss.view_as(ids)
     # masked means, not boolean indexing: no host sync, so the CPU builds the next batch while the GPU works
     lm = (token_loss * lm_mask).sum() / lm_mask.sum().clamp(min=1)
     answer = (token_loss * answer_mask).sum() / answer_mask.sum().clamp(min=1)
-    loss = LM_WEIGHT * lm + answer + key_weight * tail + landmark_weight * divergence
-    return loss, lm.detach(), answer.detach(), tail.detach(), divergence.detach()
+    loss = (LM_WEIGHT * lm + answer + key_weight * terms["key tail"] + landmark_weight * terms["landmark KL"]
+            + rank_attention_weight * terms["rank attention KL"])
+    return loss, {"lm": lm.detach(), "answer": answer.detach(), **{k: v.detach() for k, v in terms.items()}}
 
 
 # ---------------------------------------------------------------- training
@@ -294,17 +349,16 @@ def train(model, args, log) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total, args.lr)
         logged = step % args.log_every == 0 or step == total - 1
-        loss, lm, answer, tail, divergence = loss_fn(
-            model, *(t.to(args.device, non_blocking=True) for t in tensors), capture, rank, args.key_rank_weight,
-            None if args.key_subspace_iters < 0 else args.key_subspace_iters, logged, args.landmark_weight)
+        loss, terms = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors), capture, rank,
+                              args.key_rank_weight, None if args.key_subspace_iters < 0 else args.key_subspace_iters,
+                              logged, args.landmark_weight, args.rank_attention_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if logged:
-            log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} lm {lm.item():.3f} "
-                f"answer {answer.item():.3f} key tail (rank {rank}) {tail.item():.3f} "
-                f"landmark KL {divergence.item():.3f} {time.time() - start:6.1f}s")
+            shown = " ".join(f"{name} {value.item():.3f}" for name, value in terms.items())
+            log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} {shown} (rank {rank}) {time.time() - start:6.1f}s")
     capture.close()
     return {"steps": total, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
 
@@ -380,6 +434,8 @@ def main() -> None:
                         help="weight of the key low-rank regulariser (0: none, the shipped model; 1 was tried)")
     parser.add_argument("--landmark-weight", type=float, default=0.0,
                         help="weight of the landmark divergence at answer positions (0: none)")
+    parser.add_argument("--rank-attention-weight", type=float, default=0.0,
+                        help="weight of the divergence of rank-r keys' attention from dense at answer positions")
     parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
                         help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
@@ -399,6 +455,7 @@ def main() -> None:
         model = build_model(args.seed, args.device)
     info = train(model, args, log)
     info.update(init=args.init, key_rank_weight=args.key_rank_weight, landmark_weight=args.landmark_weight,
+                rank_attention_weight=args.rank_attention_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 parameters=sum(p.numel() for p in model.parameters()))
     save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights

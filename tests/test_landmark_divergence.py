@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from benchmarks.train_small_model import landmark_divergence, rotate
+from benchmarks.train_small_model import landmark_divergence, rank_attention_divergence, rotate
 
 
 def rope(length: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,4 +75,51 @@ def test_its_gradient_lowers_it():
     with torch.no_grad():
         step = keys - 0.05 * keys.grad / keys.grad.norm() * keys.norm()
         after = landmark_divergence(queries, step, mask, cos, sin, num_kv_heads=2, chunk=4, window=8, span=12)
+    assert after < before
+
+
+def brute_force_rank(queries, keys, answer_mask, cos, sin, kv_heads, rank):
+    """KL(dense || rank-r keys' attention), one answer position and query head at a time, the basis from eigh."""
+    B, L, _ = keys.shape
+    d = cos.shape[-1]
+    Hq = queries.shape[-1] // d
+    total = count = 0.0
+    for b in range(B):
+        k_cat = keys[b].double()
+        basis = torch.linalg.eigh(k_cat.T @ k_cat)[1][:, -rank:]
+        low = k_cat @ basis @ basis.T
+        for t in answer_mask[b].nonzero().flatten().tolist():
+            count += 1
+            for h in range(Hq):
+                kh = h // (Hq // kv_heads)
+                q = rotate(queries[b, t, h * d:(h + 1) * d].double(), cos[t].double(), sin[t].double())
+                exact, approx = (rotate(x[:t + 1, kh * d:(kh + 1) * d], cos[:t + 1].double(), sin[:t + 1].double())
+                                 for x in (k_cat, low))
+                p = torch.softmax(exact @ q / math.sqrt(d), 0)
+                total += float((p * (p.log() - torch.log_softmax(approx @ q / math.sqrt(d), 0))).sum()) / Hq
+    return total / max(count, 1)
+
+
+def test_rank_attention_divergence_matches_brute_force():
+    queries, keys, mask = random_case(3)
+    cos, sin = rope(96, 8)
+    got = rank_attention_divergence(queries, keys, mask, cos, sin, num_kv_heads=2, rank=5, iters=None, span=12)
+    want = brute_force_rank(queries, keys, mask, cos, sin, 2, 5)
+    assert want > 0.01
+    assert abs(float(got) - want) < 1e-4 * max(1.0, want)
+
+
+def test_rank_attention_divergence_is_zero_for_keys_of_that_rank_and_its_gradient_lowers_it():
+    queries, keys, mask = random_case(4)
+    cos, sin = rope(96, 8)
+    g = torch.Generator().manual_seed(5)
+    low = torch.randn(3, 96, 4, generator=g) @ torch.randn(4, 16, generator=g)  # rank 4 of 16
+    assert float(rank_attention_divergence(queries, low, mask, cos, sin, num_kv_heads=2, rank=4, span=12)) < 1e-5
+    keys.requires_grad_()
+    before = rank_attention_divergence(queries, keys, mask, cos, sin, num_kv_heads=2, rank=4, span=12)
+    before.backward()
+    assert torch.isfinite(keys.grad).all()
+    with torch.no_grad():
+        step = keys - 0.05 * keys.grad / keys.grad.norm() * keys.norm()
+        after = rank_attention_divergence(queries, step, mask, cos, sin, num_kv_heads=2, rank=4, span=12)
     assert after < before
