@@ -240,6 +240,25 @@ def rank_attention_divergence(queries: torch.Tensor, keys: torch.Tensor, answer_
     return (per_position * weight).sum() / weight.sum().clamp(min=1)
 
 
+def rank_logit_error(queries: torch.Tensor, keys: torch.Tensor, answer_mask: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, num_kv_heads: int, rank: int, iters: int | None = KEY_SUBSPACE_ITERS,
+                     span: int = ANSWER_SLOT) -> torch.Tensor:
+    """The squared error rank-`rank` keys put into the attention logits of the answer positions of one layer, each
+    key weighted by the dense attention it gets: sum_j p_j (q·(k_j - k_r,j) · scale)², averaged over answer
+    positions and query heads (fp32, 0 without answer positions). Only the keys receive a gradient (queries,
+    attention weights and the basis, as in rank_attention_divergence, are held fixed), so it cannot be lowered by
+    making attention less sharp, only by moving what the retrieving queries read out of the discarded directions."""
+    q, pos, weight = answer_queries(queries.detach(), answer_mask, cos, sin, num_kv_heads, span)
+    k = keys.float()
+    with torch.no_grad():
+        basis = top_subspace(k.transpose(1, 2) @ k, rank, iters)  # (B, W, r)
+        attn = causal_logits(q, rotated_keys(keys, cos, sin, num_kv_heads), pos).softmax(-1)  # (B, Hkv, G, A, L)
+    dropped = rotated_keys(k - (k @ basis) @ basis.transpose(1, 2), cos, sin, num_kv_heads)  # (B, Hkv, L, d)
+    error = torch.einsum("bhgad,bhld->bhgal", q, dropped) * q.shape[-1] ** -0.5
+    per_position = (attn * error.square()).sum(-1).mean((1, 2))  # (B, A)
+    return (per_position * weight).sum() / weight.sum().clamp(min=1)
+
+
 # ---------------------------------------------------------------- data
 
 def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None):
@@ -280,18 +299,19 @@ class StepBatches(torch.utils.data.Dataset):
 
 def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, key_weight: float,
             key_iters: int | None = KEY_SUBSPACE_ITERS, measure: bool = True, landmark_weight: float = 0.0,
-            rank_attention_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            rank_attention_weight: float = 0.0, rank_logit_weight: float = 0.0
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, terms): terms (detached) lm, answer, key tail (key_tail, averaged over layers and rows), landmark KL
-    (landmark_divergence) and rank attention KL (rank_attention_divergence), the last two averaged over layers;
-    each of the last three is computed when its weight is > 0 or `measure` (else 0; the two divergences need a
-    capture made with queries)."""
+    (landmark_divergence), rank attention KL (rank_attention_divergence) and rank logit error (rank_logit_error),
+    the last three averaged over layers; each of the last four is computed when its weight is > 0 or `measure` (else
+    0; the last three need a capture made with queries)."""
     capture.take()
     capture.take_queries()
     with torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids).logits  # (B, L, V)
     keys, queries = capture.take(), capture.take_queries()
     zero = torch.zeros((), device=ids.device)
-    terms = {"key tail": zero, "landmark KL": zero, "rank attention KL": zero}
+    terms = {"key tail": zero, "landmark KL": zero, "rank attention KL": zero, "rank logit error": zero}
     if key_weight > 0 or measure:
         with torch.set_grad_enabled(key_weight > 0 and torch.is_grad_enabled()):
             terms["key tail"] = key_tail(torch.cat(keys), rank, key_iters).mean()  # every layer's rows in one batch
@@ -302,6 +322,8 @@ def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, ke
         divergences = {
             "landmark KL": (landmark_weight, lambda q, k: landmark_divergence(q, k, answer_mask, cos, sin, heads)),
             "rank attention KL": (rank_attention_weight, lambda q, k: rank_attention_divergence(
+                q, k, answer_mask, cos, sin, heads, rank, key_iters)),
+            "rank logit error": (rank_logit_weight, lambda q, k: rank_logit_error(
                 q, k, answer_mask, cos, sin, heads, rank, key_iters)),
         }
         for name, (weight, divergence) in divergences.items():
@@ -315,7 +337,7 @@ def loss_fn(model, ids, lm_mask, answer_mask, capture: KeyCapture, rank: int, ke
     lm = (token_loss * lm_mask).sum() / lm_mask.sum().clamp(min=1)
     answer = (token_loss * answer_mask).sum() / answer_mask.sum().clamp(min=1)
     loss = (LM_WEIGHT * lm + answer + key_weight * terms["key tail"] + landmark_weight * terms["landmark KL"]
-            + rank_attention_weight * terms["rank attention KL"])
+            + rank_attention_weight * terms["rank attention KL"] + rank_logit_weight * terms["rank logit error"])
     return loss, {"lm": lm.detach(), "answer": answer.detach(), **{k: v.detach() for k, v in terms.items()}}
 
 
@@ -351,7 +373,7 @@ def train(model, args, log) -> dict:
         logged = step % args.log_every == 0 or step == total - 1
         loss, terms = loss_fn(model, *(t.to(args.device, non_blocking=True) for t in tensors), capture, rank,
                               args.key_rank_weight, None if args.key_subspace_iters < 0 else args.key_subspace_iters,
-                              logged, args.landmark_weight, args.rank_attention_weight)
+                              logged, args.landmark_weight, args.rank_attention_weight, args.rank_logit_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -436,6 +458,8 @@ def main() -> None:
                         help="weight of the landmark divergence at answer positions (0: none)")
     parser.add_argument("--rank-attention-weight", type=float, default=0.0,
                         help="weight of the divergence of rank-r keys' attention from dense at answer positions")
+    parser.add_argument("--rank-logit-weight", type=float, default=0.0,
+                        help="weight of the attention-weighted logit error of rank-r keys at answer positions")
     parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
                         help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
@@ -455,7 +479,7 @@ def main() -> None:
         model = build_model(args.seed, args.device)
     info = train(model, args, log)
     info.update(init=args.init, key_rank_weight=args.key_rank_weight, landmark_weight=args.landmark_weight,
-                rank_attention_weight=args.rank_attention_weight,
+                rank_attention_weight=args.rank_attention_weight, rank_logit_weight=args.rank_logit_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 parameters=sum(p.numel() for p in model.parameters()))
     save(model.eval(), Path(args.out))  # before the evaluation, so a run cut short still leaves the weights

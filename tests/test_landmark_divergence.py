@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from benchmarks.train_small_model import landmark_divergence, rank_attention_divergence, rotate
+from benchmarks.train_small_model import landmark_divergence, rank_attention_divergence, rank_logit_error, rotate
 
 
 def rope(length: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,3 +123,30 @@ def test_rank_attention_divergence_is_zero_for_keys_of_that_rank_and_its_gradien
         step = keys - 0.05 * keys.grad / keys.grad.norm() * keys.norm()
         after = rank_attention_divergence(queries, step, mask, cos, sin, num_kv_heads=2, rank=4, span=12)
     assert after < before
+
+
+def test_rank_logit_error_matches_brute_force_and_moves_only_the_keys():
+    queries, keys, mask = random_case(6)
+    cos, sin = rope(96, 8)
+    queries.requires_grad_()
+    keys.requires_grad_()
+    got = rank_logit_error(queries, keys, mask, cos, sin, num_kv_heads=2, rank=5, iters=None, span=12)
+    B, L, _ = keys.shape
+    total = count = 0.0
+    for b in range(B):
+        k_cat = keys[b].detach().double()
+        basis = torch.linalg.eigh(k_cat.T @ k_cat)[1][:, -5:]
+        for t in mask[b].nonzero().flatten().tolist():
+            count += 1
+            for h in range(4):
+                kh = h // 2
+                q = rotate(queries[b, t, h * 8:(h + 1) * 8].detach().double(), cos[t].double(), sin[t].double())
+                exact, dropped = (rotate(x[:t + 1, kh * 8:(kh + 1) * 8], cos[:t + 1].double(), sin[:t + 1].double())
+                                  for x in (k_cat, k_cat - k_cat @ basis @ basis.T))
+                p = torch.softmax(exact @ q / math.sqrt(8), 0)
+                total += float((p * (dropped @ q / math.sqrt(8)) ** 2).sum()) / 4
+    want = total / count
+    assert want > 1e-3
+    assert abs(float(got.detach()) - want) < 1e-4 * max(1.0, want)
+    got.backward()
+    assert queries.grad is None and torch.isfinite(keys.grad).all() and keys.grad.abs().sum() > 0
