@@ -6,9 +6,11 @@ rows of plain text (language-model loss on every token) and of the synthetic tas
 (language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Optionally
 (--key-rank-weight, off for the shipped model) a key low-rank regulariser: the share of each layer's pre-RoPE key
 energy outside its top-r eigen-directions, r being the rank ShadowKV keeps (15.6 % of kv_heads*head_dim, as 160 is of
-Llama-3-8B's 1024); and (--landmark-weight, off too) a landmark divergence at the answer positions: how far the
-softmax over chunk landmarks, what ShadowKV selects chunks by, is from the dense attention's mass per chunk. The log
-reports both at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
+Llama-3-8B's 1024); and, off too, three terms at the answer positions: a landmark divergence (--landmark-weight: how
+far the softmax over chunk landmarks, what ShadowKV selects chunks by, is from the dense attention's mass per chunk),
+a rank attention divergence (--rank-attention-weight: attention over the rank-r keys against dense) and a rank logit
+error (--rank-logit-weight: the logit error of the rank-r keys, weighted by dense attention). The log reports every
+term at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
 instead of training from scratch (with --min-context, on the curriculum's longer stages only).
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
@@ -150,9 +152,17 @@ class KeyCapture:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's RoPE (rotate-half convention) of x (..., d) with cos/sin broadcast to it."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+    """RoPE of x (..., d) as the trained Llama applies it (its rotate_half), cos/sin broadcast to x."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    return x * cos + rotate_half(x) * sin
+
+
+def low_rank(keys: torch.Tensor, rank: int, iters: int | None) -> torch.Tensor:
+    """keys (B, L, W) fp32 -> their projection on each row's top-`rank` eigen-directions of KᵀK, as factorize_keys
+    keeps them; the basis (top_subspace) carries no gradient, the keys do."""
+    with torch.no_grad():
+        basis = top_subspace(keys.transpose(1, 2) @ keys, rank, iters)  # (B, W, r)
+    return (keys @ basis) @ basis.transpose(1, 2)
 
 
 def answer_queries(queries: torch.Tensor, answer_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -225,15 +235,13 @@ def rank_attention_divergence(queries: torch.Tensor, keys: torch.Tensor, answer_
     """How far attention over ShadowKV's rank-`rank` keys is from dense attention, at the answer positions of one
     layer: KL(dense || rank-r) over each answer position's causal keys, averaged over answer positions and query
     heads (fp32, 0 without answer positions). The rank-r keys are each row's pre-RoPE keys (all KV heads
-    concatenated) projected on the top-`rank` eigen-directions of their KᵀK, as factorize_keys keeps them (the basis
-    without gradient, top_subspace); the dense side is the target (no gradient). Unlike the key tail, which weighs
-    every key's energy alike, this weighs the key error by what the queries that retrieve read of it."""
+    concatenated) projected on the top-`rank` eigen-directions of their KᵀK (low_rank); the dense side is the target
+    (no gradient). Unlike the key tail, which weighs every key's energy alike, this weighs the key error by what the
+    queries that retrieve read of it."""
     q, pos, weight = answer_queries(queries, answer_mask, cos, sin, num_kv_heads, span)
-    k = keys.float()
     with torch.no_grad():
-        basis = top_subspace(k.transpose(1, 2) @ k, rank, iters)  # (B, W, r)
         target = causal_logits(q, rotated_keys(keys, cos, sin, num_kv_heads), pos).softmax(-1)
-    low = rotated_keys((k @ basis) @ basis.transpose(1, 2), cos, sin, num_kv_heads)
+    low = rotated_keys(low_rank(keys.float(), rank, iters), cos, sin, num_kv_heads)
     log_low = causal_logits(q, low, pos).log_softmax(-1)
     kl = (target * (target.clamp(min=1e-30).log() - log_low.clamp(min=-1e4))).sum(-1)  # (B, Hkv, G, A); no 0·inf
     per_position = kl.mean((1, 2))  # (B, A)
@@ -249,11 +257,10 @@ def rank_logit_error(queries: torch.Tensor, keys: torch.Tensor, answer_mask: tor
     attention weights and the basis, as in rank_attention_divergence, are held fixed), so it cannot be lowered by
     making attention less sharp, only by moving what the retrieving queries read out of the discarded directions."""
     q, pos, weight = answer_queries(queries.detach(), answer_mask, cos, sin, num_kv_heads, span)
-    k = keys.float()
     with torch.no_grad():
-        basis = top_subspace(k.transpose(1, 2) @ k, rank, iters)  # (B, W, r)
         attn = causal_logits(q, rotated_keys(keys, cos, sin, num_kv_heads), pos).softmax(-1)  # (B, Hkv, G, A, L)
-    dropped = rotated_keys(k - (k @ basis) @ basis.transpose(1, 2), cos, sin, num_kv_heads)  # (B, Hkv, L, d)
+    k = keys.float()
+    dropped = rotated_keys(k - low_rank(k, rank, iters), cos, sin, num_kv_heads)  # (B, Hkv, L, d)
     error = torch.einsum("bhgad,bhld->bhgal", q, dropped) * q.shape[-1] ** -0.5
     per_position = (attn * error.square()).sum(-1).mean((1, 2))  # (B, A)
     return (per_position * weight).sum() / weight.sum().clamp(min=1)
