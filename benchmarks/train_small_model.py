@@ -9,8 +9,9 @@ energy outside its top-r eigen-directions, r being the rank ShadowKV keeps (15.6
 Llama-3-8B's 1024); and, off too, three terms at the answer positions: a landmark divergence (--landmark-weight: how
 far the softmax over chunk landmarks, what ShadowKV selects chunks by, is from the dense attention's mass per chunk),
 a rank attention divergence (--rank-attention-weight: attention over the rank-r keys against dense) and a rank logit
-error (--rank-logit-weight: the logit error of the rank-r keys, weighted by dense attention). The log reports every
-term at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
+error (--rank-logit-weight: the logit error of the rank-r keys, weighted by dense attention). --key-proj-rank trains
+each k_proj as a product of that rank (saved merged), so the pre-RoPE keys have that rank whatever the input. The log
+reports every term at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
 instead of training from scratch (with --min-context, on the curriculum's longer stages only).
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
@@ -70,6 +71,41 @@ def key_rank(config) -> int:
     """The rank ShadowKV keeps of this model's pre-RoPE keys (all KV heads concatenated)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return max(1, round(RANK_SHARE * config.num_key_value_heads * head_dim))
+
+
+class LowRankLinear(torch.nn.Module):
+    """A bias-free linear map of rank <= `rank`, y = x downᵀ upᵀ, started from the truncated SVD of `weight`
+    (out, in). `merged()` is the nn.Linear it equals, which is what is saved: the model stays a plain Llama."""
+
+    def __init__(self, weight: torch.Tensor, rank: int):
+        super().__init__()
+        u, s, vh = torch.linalg.svd(weight.detach().float(), full_matrices=False)
+        root = s[:rank].sqrt()
+        self.down = torch.nn.Parameter(root[:, None] * vh[:rank])  # (rank, in)
+        self.up = torch.nn.Parameter(u[:, :rank] * root)  # (out, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.down), self.up)
+
+    def merged(self) -> torch.nn.Linear:
+        linear = torch.nn.Linear(self.down.shape[1], self.up.shape[0], bias=False, device=self.up.device)
+        with torch.no_grad():
+            linear.weight.copy_(self.up @ self.down)
+        return linear
+
+
+def factorise_key_projections(model, rank: int) -> None:
+    """Every layer's k_proj becomes a LowRankLinear of `rank`: its pre-RoPE keys then have rank <= `rank` for any
+    input, rare tokens included (a penalty on the training keys' spectrum constrains only the keys it sees)."""
+    for layer in model.model.layers:
+        layer.self_attn.k_proj = LowRankLinear(layer.self_attn.k_proj.weight, rank)
+
+
+def merge_key_projections(model) -> None:
+    """Undo factorise_key_projections' modules (not its rank): plain nn.Linear k_proj, as transformers saves."""
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn.k_proj, LowRankLinear):
+            layer.self_attn.k_proj = layer.self_attn.k_proj.merged()
 
 
 def key_tail(keys: torch.Tensor, rank: int, iters: int | None = None) -> torch.Tensor:
@@ -428,6 +464,7 @@ def save(model, out: Path) -> None:
 
 def model_card(command: str, info: dict, rows: list[dict]) -> str:
     table = "\n".join(f"| {r['task']} | {r['context']} | {r['score']:.1f} | {r['samples']} |" for r in rows)
+    trained = f"Fine-tuned from the model then in `{info['init']}`" if info["init"] else "Trained"
     return f"""# shadowkv-small
 
 A {info['parameters'] / 1e6:.1f}M-parameter Llama-architecture decoder over bytes (vocab 262), trained from scratch by
@@ -435,7 +472,7 @@ this project for retrieval over long contexts (up to 16K tokens) on licences, De
 sources plus the synthetic tasks of `benchmarks/longctx_data.py`. It knows nothing else: use it to measure what a
 sparse KV cache keeps, not as an assistant. Weights in bfloat16.
 
-Trained with `{command}`
+{trained} with `{command}`
 ({info['steps']} of {info['planned_steps']} steps, {info['seconds']:.0f} s on {info['device']}).
 
 Dense greedy scores (0-100) on held-out text and evaluation seeds, transformers, bfloat16:
@@ -467,6 +504,8 @@ def main() -> None:
                         help="weight of the divergence of rank-r keys' attention from dense at answer positions")
     parser.add_argument("--rank-logit-weight", type=float, default=0.0,
                         help="weight of the attention-weighted logit error of rank-r keys at answer positions")
+    parser.add_argument("--key-proj-rank", type=int, default=0,
+                        help="train every k_proj as a product of this rank (0: full rank); saved merged")
     parser.add_argument("--key-subspace-iters", type=int, default=KEY_SUBSPACE_ITERS,
                         help="subspace iterations for the regulariser's basis (-1: exact eigh, slow on CUDA)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
@@ -484,8 +523,12 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(args.device)
     else:
         model = build_model(args.seed, args.device)
+    if args.key_proj_rank:
+        factorise_key_projections(model, args.key_proj_rank)
     info = train(model, args, log)
-    info.update(init=args.init, key_rank_weight=args.key_rank_weight, landmark_weight=args.landmark_weight,
+    merge_key_projections(model)
+    info.update(init=args.init, key_proj_rank=args.key_proj_rank, key_rank_weight=args.key_rank_weight,
+                landmark_weight=args.landmark_weight,
                 rank_attention_weight=args.rank_attention_weight, rank_logit_weight=args.rank_logit_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 parameters=sum(p.numel() for p in model.parameters()))

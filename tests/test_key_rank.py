@@ -1,7 +1,8 @@
 """The key low-rank regulariser of benchmarks/train_small_model.py: the tail share it measures and trains down."""
 import torch
 
-from benchmarks.train_small_model import key_rank, key_tail, model_config, top_subspace
+from benchmarks.train_small_model import (KeyCapture, factorise_key_projections, key_rank, key_tail,
+                                          merge_key_projections, model_config, top_subspace)
 
 
 def test_rank_is_shadowkvs_share_of_the_key_width():
@@ -36,3 +37,38 @@ def test_its_gradient_lowers_the_tail():
     with torch.no_grad():
         after = key_tail(keys - 0.5 * keys.grad / keys.grad.norm() * keys.norm(), 4, iters=4).mean()
     assert after < before
+
+
+def _small_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    overrides = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16}
+    spec = {k: v for k, v in model_config().items() if k not in ("architectures", "torch_dtype")}
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**spec, **overrides})).eval()
+
+
+def test_factorised_key_projections_have_their_rank_for_any_input_and_save_as_a_plain_llama(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = _small_llama(0)
+    ids = torch.randint(0, 256, (2, 40))
+    full = model(input_ids=ids).logits
+    factorise_key_projections(model, 32)  # the whole key width: an exact factorisation, same model
+    torch.testing.assert_close(model(input_ids=ids).logits, full, rtol=1e-4, atol=1e-4)
+    model = _small_llama(0)
+    factorise_key_projections(model, 5)
+    capture = KeyCapture(model)
+    model(input_ids=ids).logits.float().square().mean().backward()
+    keys = capture.take()
+    capture.close()
+    for key in keys:  # (2, 40, 32): every row's keys, random tokens and all, have rank 5
+        assert torch.linalg.matrix_rank(key.detach(), rtol=1e-5).max() == 5
+    torch.optim.SGD(model.parameters(), lr=0.5).step()  # training moves both factors; the product keeps its rank
+    assert all(layer.self_attn.k_proj.down.grad.abs().sum() > 0 for layer in model.model.layers)
+    trained = model(input_ids=ids).logits
+    merge_key_projections(model)
+    assert all(type(layer.self_attn.k_proj) is torch.nn.Linear for layer in model.model.layers)
+    assert all(torch.linalg.matrix_rank(layer.self_attn.k_proj.weight.detach(), rtol=1e-5) == 5 for layer in model.model.layers)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(loaded(input_ids=ids).logits, trained, rtol=1e-4, atol=1e-4)
