@@ -296,6 +296,8 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
              "infinite_memory_tok_s": infinite_memory_tok_s(geometries[model], context, copy_bps)}
         for method, r in best.items():
             s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
+            if r.get("device_value_share"):  # a _tiered method swept over shares: the share of its best row
+                s[f"{method}_device_value_share"] = r["device_value_share"]
         sk, dense = best.get("shadowkv"), best.get("dense")
         hf = max((best[m] for m in ("hf", "hf_static") if m in best), key=lambda r: r["decode_tok_s"], default=None)
         fastest = max((r for m, r in best.items() if m.startswith("shadowkv") and not m.endswith("_eager")),
@@ -435,8 +437,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=1 << 20, help="cap on every batch (short runs)")
     parser.add_argument("--gpu-util", type=float, default=0.9, help="share of GPU memory the memory model may plan")
     parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
-    parser.add_argument("--tier-share", type=float, default=None,
-                        help="device_value_share of the _tiered methods (default: the memory model's best)")
+    parser.add_argument("--tier-share", type=float, nargs="+", default=[None],
+                        help="device_value_share of the _tiered methods, one run of each per value (default: the "
+                             "memory model's best)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="throughput.json", help="relative paths land in benchmarks/results/")
     parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
@@ -475,10 +478,11 @@ def main(argv: list[str] | None = None) -> dict:
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     rows, failures, summary = [], [], []
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
-    tasks = [(c, m) for c in args.contexts for m in args.methods]
-    kept = earlier_rows(out, {(args.model, c, m) for c, m in tasks}) if args.merge else []
-    for context, method in progress(tasks):
-        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, args.tier_share)
+    tasks = [(c, m, share) for c in args.contexts for m in args.methods
+             for share in (args.tier_share if "_tiered" in m else [None])]
+    kept = earlier_rows(out, {(args.model, c, m) for c, m, _ in tasks}) if args.merge else []
+    for context, method, share in progress(tasks):
+        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, share)
         dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
                               for c in (None, method_setup(method, cfg, tier_share)[0]))
         batches, profile_at = plan(method, dense_max, own_max)
@@ -493,7 +497,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows += run_hf(run, method, dense_max) if method.startswith("hf") else \
                 run_engine(run, method, batches, profile_at)
         except Exception as exc:  # one failed configuration is recorded; the others still run
-            failures.append({"context": context, "method": method, "error": f"{type(exc).__name__}: {exc}"})
+            failures.append({"context": context, "method": method, "tier_share": tier_share,
+                             "error": f"{type(exc).__name__}: {exc}"})
             print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)
         summary = summarize(kept + rows, copy_bps, {**mm.PRESETS, args.model: g})  # kept rows: any preset
         path = write_json(out, kept + rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,

@@ -108,6 +108,16 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     tiered = [r for r in out["rows"] if r["method"] == "shadowkv_tiered_pipelined"]
     assert plain == 2 and max(r["batch"] for r in tiered) > plain
     assert all(0 < r["device_value_share"] <= 1 and r["device_fetch_fraction"] > 0 for r in tiered)
+    # a sweep over given shares: one run per share, rows told apart by it, the summary naming the best one's share
+    swept = tp.main(args + ["--methods", "shadowkv_tiered_pipelined", "--tier-share", "0.25", "0.75",
+                            "--out", str(tmp_path / "s.json")])
+    assert not swept["failures"]
+    shares = {r["device_value_share"] for r in swept["rows"]}
+    assert shares == {0.25, 0.75}
+    best = max(swept["rows"], key=lambda r: r["decode_tok_s"])
+    assert swept["summary"][0]["shadowkv_tiered_pipelined_device_value_share"] == best["device_value_share"]
+    held = [max(r["batch"] for r in swept["rows"] if r["device_value_share"] == x) for x in (0.25, 0.75)]
+    assert held[1] > held[0]  # the host bounds the batch here: less of each sequence on it holds more sequences
 
 
 def test_performance_model_at_122k():
