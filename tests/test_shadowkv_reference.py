@@ -94,6 +94,14 @@ def test_landmark_scores_softmax_then_group_max_and_excluded():
     assert 3 not in ids[0].tolist() and 7 not in ids[1].tolist()
 
 
+def test_select_chunks_breaks_ties_by_the_lower_chunk_id():
+    """A head whose landmark logits are all equal (a uniform softmax: every score a tie) takes its first k chunks, as
+    the Triton top-k does; torch.topk leaves that order unspecified, and the fast path and this reference then chose
+    different chunks for such a head (the shipped model, greedy decode, fp32 interpreter)."""
+    scores = torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.25, 0.25], [0.1, 0.3, 0.3, float("-inf"), 0.3, 0.0]])
+    assert select_chunks(scores, 4).tolist() == [[0, 1, 2, 3], [1, 2, 4, 0]]
+
+
 def test_assign_slots_keeps_hits_in_place_and_moves_only_misses():
     resident = torch.tensor([[10, 11, 12, 13], [-1, -1, -1, -1], [1, 2, 3, 4]])
     selected = torch.tensor([[13, 20, 11, 21], [5, 6, 7, 8], [4, 3, 2, 1]])

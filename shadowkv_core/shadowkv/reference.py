@@ -70,8 +70,10 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, excluded: torch.Te
 
 
 def select_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k chunks per KV head. scores (Hkv, n) -> chunk ids (Hkv, k) int64."""
-    return scores.topk(k, dim=-1).indices
+    """Top-k chunks per KV head. scores (Hkv, n) -> chunk ids (Hkv, k) int64, by score descending; equal scores go
+    to the lower chunk id (the first k of a stable sort), as kernels.topk does: torch.topk leaves ties unspecified,
+    and a head whose scores are all equal (a uniform softmax) is all ties."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def assign_slots(resident: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
