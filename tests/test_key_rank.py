@@ -1,4 +1,5 @@
-"""The key low-rank regulariser of benchmarks/train_small_model.py: the tail share it measures and trains down."""
+"""benchmarks/train_small_model.py: the key low-rank regulariser (the tail share it measures and trains down) and the
+factorised key projection (--key-proj-rank)."""
 import torch
 
 from benchmarks.train_small_model import (KeyCapture, factorise_key_projections, key_rank, key_tail,
