@@ -1,6 +1,17 @@
 """DESIGN.md's performance model: the time a decode step cannot beat, from the bytes it must move and the copy
-bandwidths measured on the device (device-to-device for HBM, one pinned host-to-device copy for PCIe)."""
+bandwidths measured on the device (device-to-device for HBM, one pinned host-to-device copy for PCIe).
+
+    PYTHONPATH=. python -m benchmarks.perf_model --context 122880 --shares 0.1875 0.375 0.5 --out tier_share_floor.json
+prints (and writes) the floor at the memory model's largest batch for each device value share; the defaults are the
+H200 run of benchmarks/results/throughput.json (its memory plan, copy ceilings and fp8-landmark ShadowKV's hit rate).
+"""
 from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
 
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
@@ -22,12 +33,12 @@ def infinite_memory_tok_s(g: mm.Geometry, context: int, copy_bps: float) -> floa
     return copy_bps / kv_bytes(g, context)
 
 
-def shadowkv_floor_s(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: int, hit_rate: float,
-                     copy_bps: float, h2d_bps: float) -> float:
-    """Per layer and sequence: landmarks M*S/C, exact K and V of outliers, selected chunks and local window, missed
-    chunks' U rows over HBM; missed chunks' values over PCIe (as the host stores them: fp8 values move their chunk's
-    scales too), but for the device_value_share of them (their pages in device memory), read over HBM. The larger of
-    the two, plus the weights once."""
+def shadowkv_floor_parts(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: int, hit_rate: float,
+                         copy_bps: float, h2d_bps: float) -> dict[str, float]:
+    """Seconds of one decode step's bytes, by where they move: `hbm_s` per layer and sequence, landmarks M*S/C, exact
+    K and V of outliers, selected chunks and local window, missed chunks' U rows, and the device_value_share of the
+    missed chunks' values (their pages in device memory); `pcie_s` the rest of the missed chunks' values (as the host
+    stores them: fp8 values move their chunk's scales too); `weights_s` the weights, once."""
     M, C, K, O = g.kv_width * g.dtype_bytes, cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     misses = (1 - hit_rate) * K  # per KV head
     hbm = M * context / C + 2 * M * ((K + O) * C + cfg.local_chunks * C)
@@ -36,7 +47,29 @@ def shadowkv_floor_s(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: i
     hbm += cfg.device_value_share * misses * chunk_values
     pcie = (1 - cfg.device_value_share) * misses * chunk_values
     per_step = g.num_layers * batch
-    return max(per_step * hbm / copy_bps, per_step * pcie / h2d_bps) + g.weight_bytes / copy_bps
+    return {"hbm_s": per_step * hbm / copy_bps, "pcie_s": per_step * pcie / h2d_bps, "weights_s": g.weight_bytes / copy_bps}
+
+
+def shadowkv_floor_s(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: int, hit_rate: float,
+                     copy_bps: float, h2d_bps: float) -> float:
+    """The larger of the step's HBM and PCIe bytes' times (shadowkv_floor_parts), plus the weights once."""
+    parts = shadowkv_floor_parts(g, cfg, context, batch, hit_rate, copy_bps, h2d_bps)
+    return max(parts["hbm_s"], parts["pcie_s"]) + parts["weights_s"]
+
+
+def share_table(g: mm.Geometry, cfg: ShadowKVConfig, context: int, shares: list[float], hit_rate: float,
+                gpu_bytes: int, host_bytes: int, max_new_tokens: int, copy_bps: float, h2d_bps: float) -> list[dict]:
+    """Per device_value_share: the memory model's largest batch and the floor of a step at that batch. A larger share
+    holds fewer sequences (once the device binds) but moves fewer bytes over PCIe per token."""
+    rows = []
+    for share in shares:
+        shared = dataclasses.replace(cfg, device_value_share=share)
+        batch = mm.capacity(g, shared, gpu_bytes, host_bytes, [context], max_new_tokens)
+        parts = shadowkv_floor_parts(g, shared, context, max(batch, 1), hit_rate, copy_bps, h2d_bps)
+        floor = shadowkv_floor_s(g, shared, context, max(batch, 1), hit_rate, copy_bps, h2d_bps)
+        rows.append({"device_value_share": share, "batch": batch, "floor_ms": 1e3 * floor,
+                     "floor_tok_s": batch / floor, **{k.replace("_s", "_ms"): 1e3 * v for k, v in parts.items()}})
+    return rows
 
 
 def ceilings(device: str) -> tuple[float, float]:
@@ -47,3 +80,36 @@ def ceilings(device: str) -> tuple[float, float]:
 
     d2d, h2d = measure()
     return d2d * 1e9, h2d * 1e9
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from benchmarks.report import RESULTS
+    parser = argparse.ArgumentParser(description="ShadowKV's floor at each device value share")
+    parser.add_argument("--model", default="llama-3.1-8b", help=f"a preset ({', '.join(mm.PRESETS)}) or a config.json")
+    parser.add_argument("--context", type=int, default=122880)
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5])
+    parser.add_argument("--hit-rate", type=float, default=0.021, help="share of a step's chunks already resident")
+    parser.add_argument("--gpu-bytes", type=int, default=135098892288, help="the memory plan's device bytes")
+    parser.add_argument("--host-bytes", type=int, default=107037520691, help="the memory plan's host bytes")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--value-format", choices=mm.VALUE_FORMATS, default="fp8")
+    parser.add_argument("--landmark-format", choices=mm.VALUE_FORMATS, default="fp8")
+    parser.add_argument("--copy-gbps", type=float, default=4226.8, help="device-to-device copy ceiling")
+    parser.add_argument("--h2d-gbps", type=float, default=55.44, help="pinned host-to-device copy ceiling")
+    parser.add_argument("--out", default=None, help="JSON (relative paths land in benchmarks/results/)")
+    args = parser.parse_args(argv)
+    g = mm.load_geometry(args.model)
+    cfg = ShadowKVConfig(value_format=args.value_format, landmark_format=args.landmark_format)
+    rows = share_table(g, cfg, args.context, args.shares, args.hit_rate, args.gpu_bytes, args.host_bytes,
+                       args.max_new_tokens, args.copy_gbps * 1e9, args.h2d_gbps * 1e9)
+    for r in rows:
+        print(" ".join(f"{k} {v:.4g}" for k, v in r.items()))
+    if args.out:
+        out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
+        out.write_text(json.dumps({"command": "python -m benchmarks.perf_model " + " ".join(argv or sys.argv[1:]),
+                                   "note": "a model, not a measurement", "args": vars(args), "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

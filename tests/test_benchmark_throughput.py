@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import hf_baseline
+from benchmarks import hf_baseline, perf_model
 from benchmarks import throughput as tp
 from benchmarks.memory_model import TINY_SHADOWKV, _spec, write_config
 from benchmarks.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
@@ -137,3 +137,23 @@ def test_performance_model_at_122k():
     tiered = dataclasses.replace(fp8, device_value_share=0.25)
     pcie_tiered = shadowkv_floor_s(g, tiered, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
     assert pcie_tiered == pytest.approx(0.75 * pcie_fp8, rel=1e-6)
+
+
+def test_floor_at_each_device_value_share(tmp_path):
+    """perf_model's share table: each row is the memory model's largest batch at that share and the floor there; a
+    larger share moves fewer PCIe bytes per sequence and, once the device binds, holds no more sequences."""
+    out = tmp_path / "shares.json"
+    rows = perf_model.main(["--shares", "0.1875", "0.375", "0.5", "--out", str(out)])
+    g = mm.PRESETS["llama-3.1-8b"]
+    cfg = ShadowKVConfig(value_format="fp8", landmark_format="fp8")
+    for r in rows:
+        shared = dataclasses.replace(cfg, device_value_share=r["device_value_share"])
+        assert r["batch"] == mm.capacity(g, shared, 135098892288, 107037520691, [122880], 256)
+        floor = shadowkv_floor_s(g, shared, 122880, r["batch"], 0.021, 4226.8e9, 55.44e9)
+        assert r["floor_ms"] == pytest.approx(1e3 * floor) and r["floor_tok_s"] == pytest.approx(r["batch"] / floor)
+        assert r["floor_ms"] == pytest.approx(max(r["hbm_ms"], r["pcie_ms"]) + r["weights_ms"])
+    assert [r["batch"] for r in rows] == sorted((r["batch"] for r in rows), reverse=True)
+    per_sequence = [r["pcie_ms"] / r["batch"] for r in rows]
+    assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[-1]
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["command"].startswith("python -m benchmarks.perf_model --shares")
