@@ -33,6 +33,8 @@ RANK_SHARE = 160 / 1024  # the paper's rank over Llama-3-8B's kv_heads*head_dim
 # attention sinks and the heads whose keys stray from their landmarks (at 3K a single outlier chunk loses needles
 # even with exact keys, 8 chunks lose none). Both sparse methods keep these 8 chunks; the budget counts the rest.
 OUTLIER_CHUNKS = 8
+CHUNK = 8  # tokens per chunk, as the paper
+LOCAL_CHUNKS = 4  # chunks at the end of the prompt attended exactly
 HEATMAP_BUDGET = 0.0156
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 
@@ -43,10 +45,9 @@ def shadowkv_config(model: str, context: int, budget: float, rank_share: float =
     kv_heads*head_dim."""
     cfg = read_config(Path(model))
     width = cfg["num_key_value_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    chunk = 8
-    return ShadowKVConfig(rank=max(1, round(rank_share * width)), chunk_size=chunk,
-                          sparse_budget=max(1, round(budget * context / chunk)) * chunk,
-                          outlier_chunks=OUTLIER_CHUNKS, local_chunks=4,
+    return ShadowKVConfig(rank=max(1, round(rank_share * width)), chunk_size=CHUNK,
+                          sparse_budget=max(1, round(budget * context / CHUNK)) * CHUNK,
+                          outlier_chunks=OUTLIER_CHUNKS, local_chunks=LOCAL_CHUNKS,
                           min_context=0, decode_window=128, value_format=value_format,
                           landmark_format=landmark_format)
 

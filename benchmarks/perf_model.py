@@ -47,13 +47,17 @@ def shadowkv_floor_parts(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batc
     hbm += cfg.device_value_share * misses * chunk_values
     pcie = (1 - cfg.device_value_share) * misses * chunk_values
     per_step = g.num_layers * batch
-    return {"hbm_s": per_step * hbm / copy_bps, "pcie_s": per_step * pcie / h2d_bps, "weights_s": g.weight_bytes / copy_bps}
+    return {"hbm_s": per_step * hbm / copy_bps, "pcie_s": per_step * pcie / h2d_bps,
+            "weights_s": g.weight_bytes / copy_bps}
 
 
 def shadowkv_floor_s(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: int, hit_rate: float,
                      copy_bps: float, h2d_bps: float) -> float:
     """The larger of the step's HBM and PCIe bytes' times (shadowkv_floor_parts), plus the weights once."""
-    parts = shadowkv_floor_parts(g, cfg, context, batch, hit_rate, copy_bps, h2d_bps)
+    return _floor(shadowkv_floor_parts(g, cfg, context, batch, hit_rate, copy_bps, h2d_bps))
+
+
+def _floor(parts: dict[str, float]) -> float:
     return max(parts["hbm_s"], parts["pcie_s"]) + parts["weights_s"]
 
 
@@ -66,9 +70,9 @@ def share_table(g: mm.Geometry, cfg: ShadowKVConfig, context: int, shares: list[
         shared = dataclasses.replace(cfg, device_value_share=share)
         batch = mm.capacity(g, shared, gpu_bytes, host_bytes, [context], max_new_tokens)
         parts = shadowkv_floor_parts(g, shared, context, max(batch, 1), hit_rate, copy_bps, h2d_bps)
-        floor = shadowkv_floor_s(g, shared, context, max(batch, 1), hit_rate, copy_bps, h2d_bps)
-        rows.append({"device_value_share": share, "batch": batch, "floor_ms": 1e3 * floor,
-                     "floor_tok_s": batch / floor, **{k.replace("_s", "_ms"): 1e3 * v for k, v in parts.items()}})
+        floor = _floor(parts)
+        rows.append({"device_value_share": share, "batch": batch, "floor_ms": 1e3 * floor, "floor_tok_s": batch / floor,
+                     **{k.removesuffix("_s") + "_ms": 1e3 * v for k, v in parts.items()}})
     return rows
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.accuracy import RANK_SHARE
+from benchmarks.accuracy import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 from benchmarks.longctx_data import EOS, TASKS, TRAIN_SEED_BASE, answer_ids, make_sample, score, text_stream
 from shadowkv_core.tiny_model import save_byte_tokenizer
 
@@ -45,8 +45,8 @@ TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 KEY_SUBSPACE_ITERS = 4  # subspace iterations for the regulariser's top-r basis: its tail within 0.1 % of eigh's
-LANDMARK_CHUNK = 8  # the accuracy harness's ShadowKV chunk size
-LANDMARK_WINDOW = 32  # its local chunks (4 of 8 tokens): the end of a prompt a decode step attends exactly
+LANDMARK_CHUNK = CHUNK  # the accuracy harness's ShadowKV chunk size
+LANDMARK_WINDOW = LOCAL_CHUNKS * CHUNK  # its local chunks: the end of a prompt a decode step attends exactly
 
 
 def model_config() -> dict:
@@ -423,7 +423,8 @@ def train(model, args, log) -> dict:
         optimizer.step()
         if logged:
             shown = " ".join(f"{name} {value.item():.3f}" for name, value in terms.items())
-            log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} {shown} (rank {rank}) {time.time() - start:6.1f}s")
+            log(f"step {step:5d}/{total} len {tensors[0].shape[1]:5d} {shown} (rank {rank}) "
+                f"{time.time() - start:6.1f}s")
     capture.close()
     return {"steps": total, "planned_steps": total, "seconds": time.time() - start, "key_rank": rank}
 
@@ -493,7 +494,8 @@ def main() -> None:
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
     parser.add_argument("--min-context", type=int, default=0, help="drop shorter curriculum stages")
-    parser.add_argument("--init", default=None, help="start from this saved model (fine-tuning) instead of from scratch")
+    parser.add_argument("--init", default=None,
+                        help="start from this saved model (fine-tuning) instead of from scratch")
     parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
     parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
     parser.add_argument("--key-rank-weight", type=float, default=0.0,
