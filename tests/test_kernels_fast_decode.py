@@ -152,6 +152,10 @@ def test_fast_decode_generates_the_reference_tokens(value_format="model", device
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_format", ["model", "fp8"])
-def test_fast_decode_generates_the_reference_tokens_gpu_bf16(value_format):
-    """64 tokens for four 4K-token prompts, bf16."""
-    test_fast_decode_generates_the_reference_tokens(value_format, "cuda", "bfloat16", 4096, 4, 64)
+def test_fast_decode_generates_the_reference_tokens_gpu_fp32(value_format):
+    """64 tokens for four 4K-token prompts, fp32. Not bf16: there the two paths' logits differ by bf16 rounding, and
+    greedy decoding meets near-ties one rounding step wide (measured on an H200 with fp8 values: a prompt whose 10th
+    token had reference logits 7.78125 and 7.75, one bf16 step apart, which the kernels' rounding made equal and
+    the argmax then broke the other way). The bf16 kernels are held to the reference step by step instead
+    (test_fast_decode_equals_reference_gpu_bf16)."""
+    test_fast_decode_generates_the_reference_tokens(value_format, "cuda", "float32", 4096, 4, 64)
