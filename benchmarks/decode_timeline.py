@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=122880)
     parser.add_argument("--batch", type=int, default=31)
     parser.add_argument("--method", default="shadowkv_fp8lm_tiered_pipelined", choices=tp.ENGINE_METHODS)
+    parser.add_argument("--tier-share", type=float, default=None,
+                        help="device_value_share of a _tiered method (default: the memory model's best)")
     parser.add_argument("--steps", type=int, default=3, help="decode steps profiled")
     parser.add_argument("--label", default="current", help="this run's row in --out (replaced if there)")
     parser.add_argument("--out", default="decode_timeline.json", help="relative paths land in benchmarks/results/")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = ShadowKVConfig()
     gpu = int(torch.cuda.mem_get_info()[1] * 0.9)
     host = int(mm.mem_available_bytes() * 0.8)
-    tier = tp.tier_share_for(g, args.method, cfg, gpu, host, args.context, max_new, None)
+    tier = tp.tier_share_for(g, args.method, cfg, gpu, host, args.context, max_new, args.tier_share)
     shadow, options = tp.method_setup(args.method, cfg, tier)
     engine = tp.build_engine(config_dir, g, shadow, args.context, args.batch, max_new, "cuda", **options)
     try:
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         trace = json.loads(path.read_text())
     steps = analyse(trace["traceEvents"] if isinstance(trace, dict) else trace)
     row = {"label": args.label, "model": args.model, "context": args.context, "batch": args.batch,
-           "method": args.method, "environment": environment(), "step_p50_ms": tp.percentile(times, 0.5) * 1e3,
+           "method": args.method, "device_value_share": tier, "environment": environment(), "step_p50_ms": tp.percentile(times, 0.5) * 1e3,
            "decode_tok_s": args.batch * len(times) / sum(times), "steps": steps}
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
     rows = json.loads(out.read_text())["rows"] if out.exists() else []

@@ -3,6 +3,7 @@ sequence decodes exactly what its source decodes). No timing is asserted."""
 import dataclasses
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -109,7 +110,8 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     assert plain == 2 and max(r["batch"] for r in tiered) > plain
     assert all(0 < r["device_value_share"] <= 1 and r["device_fetch_fraction"] > 0 for r in tiered)
     # a sweep over given shares: one run per share, rows told apart by it, the summary naming the best one's share
-    swept = tp.main(args + ["--methods", "shadowkv_tiered_pipelined", "--tier-share", "0.25", "0.75",
+    # (each share in its own process, as on CUDA)
+    swept = tp.main(args + ["--methods", "shadowkv_tiered_pipelined", "--tier-share", "0.25", "0.75", "--isolate",
                             "--out", str(tmp_path / "s.json")])
     assert not swept["failures"]
     shares = {r["device_value_share"] for r in swept["rows"]}
@@ -157,3 +159,9 @@ def test_floor_at_each_device_value_share(tmp_path):
     assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[-1]
     saved = json.loads(out.read_text())
     assert saved["rows"] == rows and saved["command"].startswith("python -m benchmarks.perf_model --shares")
+
+
+def test_run_isolated_runs_in_another_process_and_raises_its_errors():
+    assert tp.run_isolated(os.getpid) != os.getpid()
+    with pytest.raises(ValueError, match="invalid literal"):
+        tp.run_isolated(int, "not a number")
