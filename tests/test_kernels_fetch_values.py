@@ -95,10 +95,12 @@ def test_fetch_values_fp8_llama():
            "cuda", fp8=True, max_programs=32)
 
 
-def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, misses_per_program=4):
+def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, misses_per_program=4,
+                  device_pages=0):
     """A prefetch (miss_slots None: the j-th chunk to staging slot j) of random lists, then a fetch whose misses are
     partly among them: equal to the reference fetch from the host, with the staged misses read from the staging
-    area (their host rows are poisoned after the prefetch) and counted."""
+    area (their host rows are poisoned after the prefetch) and counted. device_pages: the pool's last pages are a
+    device region (as in _check), read by both fetches; its misses that were not staged are counted as its own."""
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
@@ -106,6 +108,12 @@ def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, 
     host_scales = None
     if fp8:
         host_values, host_scales = quantize_values(host_values.float(), C)
+    expected_from = host_values, host_scales
+    region, P = None, num_pages - device_pages
+    if device_pages:
+        region = (host_values[P:].to(device), host_scales[P:].to(device) if fp8 else None,
+                  torch.zeros(1, dtype=torch.int32, device=device))
+        host_values, host_scales = host_values[:P], host_scales[:P] if fp8 else None
     if device == "cuda":
         host_values = host_values.pin_memory()
         host_scales = host_scales.pin_memory() if fp8 else None
@@ -126,31 +134,47 @@ def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, 
                                        stage_chunks[b, h, :int(stage_count[b, h])]).sum())
                         for b in range(B) for h in range(Hkv))
     value_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
-    expected = gather_values_batched(value_slots, host_values, table, *misses, slot_ids, C, host_scales)
+    expected = gather_values_batched(value_slots, expected_from[0], table, *misses, slot_ids, C, expected_from[1])
     stage = torch.full_like(value_slots, float("nan"))
     fetch_values(host_values, table.to(device), stage_chunks, None, stage_count, slot_ids, stage, C,
-                 host_scales=host_scales)
-    for b in range(B):  # the staged chunks' host values are not read again
+                 host_scales=host_scales, device_region=region)
+    unstaged_on_device = 0
+    for b in range(B):  # the staged chunks' values are not read again from their pages
         for h in range(Hkv):
-            for c in stage_chunks[b, h, :int(stage_count[b, h])].tolist():
+            staged_here = stage_chunks[b, h, :int(stage_count[b, h])].tolist()
+            for c in staged_here:
                 rows = torch.arange(c * C, c * C + C)
                 pages = table[b].long()[rows // page_tokens]
                 poison = 0x7F if fp8 else float("nan")  # 0x7F: e4m3's NaN
-                host_values.view(torch.uint8 if fp8 else dtype)[pages, rows % page_tokens, h] = poison
+                for store, at, first in ((host_values, pages < P, 0), (region and region[0], pages >= P, P)):
+                    if at.any():
+                        store.view(torch.uint8 if fp8 else dtype)[pages[at] - first, rows[at] % page_tokens, h] = poison
+            unstaged_on_device += sum(int(table[b, c * C // page_tokens]) >= P
+                                      for c in misses[0][b, h, :int(misses[2][b, h])].tolist() if c not in staged_here)
+    if region:
+        region[2].zero_()
     got = value_slots.clone()
     got[expected != value_slots] = float("nan")
     hits = torch.zeros(1, dtype=torch.int32, device=device)
     fetch_values(host_values, table.to(device), *misses, slot_ids, got, C, host_scales=host_scales,
                  staged=(stage_chunks, stage_count, stage, hits), max_programs=3,
-                 misses_per_program=misses_per_program)
+                 misses_per_program=misses_per_program, device_region=region)
     assert_close(got, expected, dtype, "value slots", tol=(0, 0))
     assert int(hits) == expected_hits > 0
+    if region:
+        assert int(region[2]) == unstaged_on_device > 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,misses_per_program", [(torch.float32, 4), (torch.float16, 4), (torch.float16, 8)])
 def test_fetch_values_copies_the_misses_a_prefetch_staged(dtype, misses_per_program, fp8):
     _check_staged([37, 5, 70], 2, 32, 12, 4, 16, dtype, DEVICE, seed=6, fp8=fp8, misses_per_program=misses_per_program)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fetch_values_staged_misses_and_a_device_region(fp8):
+    """A prefetch and a device value tier together (ShadowKVConfig.prefetch with device_value_share)."""
+    _check_staged([37, 5, 70], 2, 32, 12, 4, 16, torch.float16, DEVICE, seed=8, fp8=fp8, device_pages=20)
 
 
 @pytest.mark.gpu
