@@ -7,6 +7,19 @@ from shadowkv_core.shadowkv.batched_reference import gather_values_batched
 from shadowkv_core.shadowkv.reference import quantize_values
 
 
+def _split_pool(values, scales, P, device):
+    """A pool's pages P and up as a device region (values, scales or None, its miss counter), None if there are
+    none; its first P pages as the host store (pinned on CUDA)."""
+    region = None
+    if P < len(values):
+        region = (values[P:].to(device), None if scales is None else scales[P:].to(device),
+                  torch.zeros(1, dtype=torch.int32, device=device))
+        values, scales = values[:P], None if scales is None else scales[:P]
+    if device == "cuda":
+        values, scales = values.pin_memory(), None if scales is None else scales.pin_memory()
+    return values, scales, region
+
+
 def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=False, max_programs=None,
            device_pages=0):
     """device_pages: the pool's last pages are handed to the kernel as its device region (ids P_host and up)."""
@@ -20,15 +33,8 @@ def _check(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, fp8=Fal
         values = host_values.float().unflatten(1, (-1, C)) * magnitude
         host_values, host_scales = quantize_values(values.flatten(1, 2), C)
     expected_from = host_values, host_scales
-    region = None
-    if device_pages:
-        P = num_pages - device_pages
-        region = (host_values[P:].to(device), host_scales[P:].to(device) if fp8 else None,
-                  torch.zeros(1, dtype=torch.int32, device=device))
-        host_values, host_scales = host_values[:P], host_scales[:P] if fp8 else None
-    if device == "cuda":
-        host_values = host_values.pin_memory()
-        host_scales = host_scales.pin_memory() if fp8 else None
+    P = num_pages - device_pages
+    host_values, host_scales, region = _split_pool(host_values, host_scales, P, device)
     value_slots = torch.randn(N, Hkv, K * C, d, generator=g).to(device, dtype)
     slot_ids = slot_ids_for(B, N, g).to(device)
     misses = [t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g)]
@@ -109,14 +115,8 @@ def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, 
     if fp8:
         host_values, host_scales = quantize_values(host_values.float(), C)
     expected_from = host_values, host_scales
-    region, P = None, num_pages - device_pages
-    if device_pages:
-        region = (host_values[P:].to(device), host_scales[P:].to(device) if fp8 else None,
-                  torch.zeros(1, dtype=torch.int32, device=device))
-        host_values, host_scales = host_values[:P], host_scales[:P] if fp8 else None
-    if device == "cuda":
-        host_values = host_values.pin_memory()
-        host_scales = host_scales.pin_memory() if fp8 else None
+    P = num_pages - device_pages
+    host_values, host_scales, region = _split_pool(host_values, host_scales, P, device)
     slot_ids = slot_ids_for(B, N, g).to(device)
     misses = [t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g)]
     stage_chunks, stage_count = misses[0].clone(), misses[2].clone()
