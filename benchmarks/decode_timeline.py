@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     steps = analyse(trace["traceEvents"] if isinstance(trace, dict) else trace)
     row = {"label": args.label, "model": args.model, "context": args.context, "batch": args.batch,
            "method": args.method, "device_value_share": tier, "environment": environment(),
-           "step_p50_ms": tp.percentile(times, 0.5) * 1e3, "decode_tok_s": args.batch * len(times) / sum(times), "steps": steps}
+           "step_p50_ms": tp.percentile(times, 0.5) * 1e3, "decode_tok_s": args.batch * len(times) / sum(times),
+           "steps": steps}
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     rows = [r for r in rows if r["label"] != args.label] + [row]
