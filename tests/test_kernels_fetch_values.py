@@ -144,7 +144,7 @@ def _check_staged(num_chunks, Hkv, d, K, C, page_tokens, dtype, device, seed=0, 
             staged_here = stage_chunks[b, h, :int(stage_count[b, h])].tolist()
             for c in staged_here:
                 rows = torch.arange(c * C, c * C + C)
-                pages = table[b].long()[rows // page_tokens]
+                pages = table[b].long().cpu()[rows // page_tokens]  # the stores are indexed on the host
                 poison = 0x7F if fp8 else float("nan")  # 0x7F: e4m3's NaN
                 for store, at, first in ((host_values, pages < P, 0), (region and region[0], pages >= P, P)):
                     if at.any():
