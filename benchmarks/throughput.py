@@ -18,8 +18,9 @@ ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_prefetch][_pipe
 run's memory, so the device memory a host-bound batch leaves over holds values; _prefetch: speculative value
 prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf (its dynamic cache), hf_static (its
 static cache; the ratios to HF take the faster of the two); each
-engine method with the suffix _eager runs without CUDA graphs, at the batches that compare with it (8 and its
-largest). --merge keeps the rows of an earlier file that this run does not redo.
+engine method with the suffix _eager runs without CUDA graphs, and with _sync without async decode
+(EngineConfig.async_decode), at the batches that compare with it (8 and its largest). --merge keeps the rows of an
+earlier file that this run does not redo.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "sh
                   "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
                   "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
                   "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined")
-METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), "hf", "hf_static")
+METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *(f"{m}_sync" for m in ENGINE_METHODS), "hf",
+           "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
 
@@ -68,7 +70,10 @@ def geometry_config(name: str, max_len: int) -> dict:
 # ---- engines --------------------------------------------------------------------------------------------------
 def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config;
-    a _tiered method keeps tier_share of each sequence's values on the device."""
+    a _tiered method keeps tier_share of each sequence's values on the device; _eager runs without CUDA graphs, _sync
+    without async decode (each step read back before the next is launched)."""
+    sync = method.endswith("_sync")
+    method = method.removesuffix("_sync")
     base = method.removesuffix("_eager")
     pipelined = base.endswith("_pipelined")
     base = base.removesuffix("_pipelined")
@@ -84,7 +89,7 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     if tiered:
         shadow = dataclasses.replace(shadow, device_value_share=tier_share)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
-                          "pipeline_min_batch": 2}
+                    "pipeline_min_batch": 2, "async_decode": False if sync else None}
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
@@ -131,6 +136,7 @@ def prefill(engine: LLMEngine, prompt: list[int], max_new: int, device: str) -> 
 
 def clone_request(engine: LLMEngine, src_id: str, request_id: str) -> None:
     """A new running request holding a copy of `src_id`'s prompt, tokens and cache state (no prefill)."""
+    engine.drain_in_flight()  # the source's tokens as its cache holds them
     src = engine.requests[src_id]
     engine.add_request(request_id, src.prompt_token_ids, src.params)
     seq = engine.requests[request_id]
@@ -164,16 +170,20 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
 
 
 def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tuple[list[float], list[dict]]:
-    """Step times (s) and engine stats of `steps` decode steps of the whole running batch, after `warmup` steps."""
+    """Step times (s) and engine stats of `steps` decode steps of the whole running batch, after `warmup` steps. A
+    step is timed from the return of the step() before it to its own, as a server runs them: no sync in between, so
+    that a step launched while the one before it runs (async decode) overlaps it as it would serving."""
     times, stats = [], []
     for i in range(warmup + steps):
-        sync(device)
-        start = time.perf_counter()
+        if i == warmup:
+            sync(device)
+            last = time.perf_counter()
         engine.step()
-        sync(device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            now = time.perf_counter()
+            times.append(now - last)
             stats.append(engine.stats())
+            last = time.perf_counter()
     return times, stats
 
 
@@ -324,14 +334,16 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
             s["shadowkv_fp8_over_dense"] = fp8["decode_tok_s"] / dense["decode_tok_s"]
         if fp8 and sk:
             s["fp8_batch_over_bf16"] = fp8["batch"] / sk["batch"]
-        for method in ENGINE_METHODS:  # CUDA graphs against eager, at the largest batch both ran
-            eager = {r["batch"]: r for r in rows if (r["model"], r["context"], r["method"]) == (model, context,
-                                                                                             f"{method}_eager")}
-            graphed = {r["batch"]: r for r in rows if (r["model"], r["context"], r["method"]) == (model, context,
-                                                                                               method)}
-            if common := set(eager) & set(graphed):
-                b = max(common)
-                s[f"{method}_graph_speedup_at_{b}"] = graphed[b]["decode_tok_s"] / eager[b]["decode_tok_s"]
+        for method in ENGINE_METHODS:  # CUDA graphs against eager, async decode against sync, at the largest batch
+            here = {r["method"]: {} for r in rows}
+            for r in rows:
+                if (r["model"], r["context"]) == (model, context):
+                    here[r["method"]][r["batch"]] = r
+            for suffix, name in (("_eager", "graph_speedup"), ("_sync", "async_speedup")):
+                without, with_ = here.get(method + suffix, {}), here.get(method, {})
+                if common := set(without) & set(with_):
+                    b = max(common)
+                    s[f"{method}_{name}_at_{b}"] = with_[b]["decode_tok_s"] / without[b]["decode_tok_s"]
         for method in ENGINE_METHODS:  # speculative prefetch against none, step time at each batch both ran
             if "_prefetch" not in method:
                 continue
@@ -369,7 +381,7 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(summary), figsize=(4.2 * len(summary), 3.6), squeeze=False)
     for ax, s in zip(axes[0], summary):
         for i, method in enumerate(METHODS):
-            style = "osDvP^"[i % 6] + (":" if method.endswith("_eager") else "-")
+            style = "osDvP^"[i % 6] + (":" if method.endswith(("_eager", "_sync")) else "-")
             pts = sorted((r["batch"], r["decode_tok_s"]) for r in rows
                          if (r["model"], r["context"], r["method"]) == (s["model"], s["context"], method))
             if pts:

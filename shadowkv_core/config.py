@@ -115,6 +115,10 @@ class EngineConfig:
     pipeline_min_batch: None picks those break-even points: 8, or 16 with fp8 values.
     cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
         the same tokens as eager, without the per-kernel launch cost.
+    async_decode: launch each decode step before reading the one before it back (LLMEngine.step), so that the host's
+        work of a step (bookkeeping, graph launch, read back) runs while the device computes the step before it; the
+        same tokens, each reported one step later. Batches whose requests all decode greedily only (a sampled token is
+        drawn on the host); None: on CUDA only (elsewhere the host computes the step itself).
     """
 
     model: str
@@ -136,6 +140,7 @@ class EngineConfig:
     pipeline_decode: bool | None = None
     pipeline_min_batch: int | None = None
     cuda_graphs: bool = True
+    async_decode: bool | None = None
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")

@@ -11,6 +11,7 @@ import triton
 from kernels.decode_attention import decode_attention
 
 from .attention import AttentionMetadata, KVCache, attention_ref, kernels_by_default, prefill_attention_ref
+from .transfers import to_device
 
 
 class BlockAllocator:
@@ -87,11 +88,14 @@ class DenseKVCache(KVCache):
         return seq_id in self.block_tables
 
     def token_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Row indices into the flattened pool of the sequence's tokens [start, end)."""
+        """Row indices into the flattened pool of the sequence's tokens [start, end), on the device."""
+        return to_device(self._host_rows(seq_id, start, end), torch.int64, self.k.device)
+
+    def _host_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         first = start // self.block_size  # only the blocks these tokens occupy: a decode token's one block
         table = torch.tensor(self.block_tables[seq_id][first:-(-end // self.block_size)], dtype=torch.int64)
         pos = torch.arange(start, end)
-        return (table[pos // self.block_size - first] * self.block_size + pos % self.block_size).to(self.k.device)
+        return table[pos // self.block_size - first] * self.block_size + pos % self.block_size
 
     def _per_forward(self, meta: AttentionMetadata, key: str, build):
         """What every layer of a forward shares, built once per metadata object (a pipelined forward has one per
@@ -103,8 +107,9 @@ class DenseKVCache(KVCache):
         return held[1]
 
     def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
-        return self._per_forward(meta, "rows", lambda: torch.cat(
-            [self.token_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]))
+        return self._per_forward(meta, "rows", lambda: to_device(torch.cat(
+            [self._host_rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]),
+            torch.int64, self.k.device))
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
         rows = self._write_rows(meta)
@@ -131,9 +136,9 @@ class DenseKVCache(KVCache):
         def plan():
             table = torch.nn.utils.rnn.pad_sequence([self._table_tensors[s] for s in meta.seq_ids], batch_first=True)
             table = F.pad(table, (0, triton.next_power_of_2(table.shape[1]) - table.shape[1]))
-            lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32)
-            slots = torch.zeros(len(meta.seq_ids), dtype=torch.int32)
-            return (table.to(self.k.device), lens.to(self.k.device), slots.to(self.k.device),
+            dev = self.k.device
+            return (to_device(table, torch.int32, dev), to_device([c + 1 for c in meta.context_lens], torch.int32, dev),
+                    torch.zeros(len(meta.seq_ids), dtype=torch.int32, device=dev),
                     triton.next_power_of_2(max(meta.context_lens) + 1))
 
         return self._per_forward(meta, "decode_plan", plan)

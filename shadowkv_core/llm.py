@@ -40,4 +40,5 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+        self.engine.drain_in_flight()  # a step launched for a request that then stopped: free its cache now
         return [finished[request_id] for request_id in request_ids]

@@ -1,6 +1,7 @@
 """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the eager path's tokens, for the dense cache,
 ShadowKV (bf16 and fp8 host values, whole and pipelined batches, with and without speculative prefetch) and batches that mix the two and shrink as
-requests finish. On CPU: the keys a graph is looked up by stay put from step to step."""
+requests finish; async decode (EngineConfig.async_decode) gives sync decode's. On CPU: the keys a graph is looked up by
+stay put from step to step."""
 import pytest
 import torch
 
@@ -82,4 +83,26 @@ def test_graph_decode_gives_the_eager_tokens_gpu(tiny_path, shadowkv, kwargs):
     assert got == want
     assert graphed.cache.stats().get("chunks_fetched") == eager_fetched  # the miss counter comes back from replays
     stats = graphed.stats()
+    assert (stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0, 0)
+
+
+FP8_PIPELINED = ({**SHADOW, "value_format": "fp8"}, {"pipeline_min_batch": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shadowkv, kwargs", [(None, {}), FP8_PIPELINED],
+                         ids=["dense", "shadowkv-fp8-pipelined"])
+def test_async_decode_gives_the_sync_tokens_gpu(tiny_path, shadowkv, kwargs):
+    """Each step launched while the one before it runs, its inputs the device's own greedy tokens: the tokens of
+    steps read back one by one, graphs replayed, and nothing held once the engine drains."""
+    sync = engine_of(tiny_path, "cuda", shadowkv, async_decode=False, **kwargs)
+    want = run(sync)
+    sync.close()
+    engine = engine_of(tiny_path, "cuda", shadowkv, **kwargs)
+    assert engine.async_decode  # the default on CUDA
+    got = run(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert got == want and engine.runner.graphs.replays > 0
+    stats = engine.stats()
     assert (stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0, 0)

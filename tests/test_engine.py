@@ -298,3 +298,74 @@ def test_next_finish_bounds_when_a_request_can_end(tiny_path):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.next_finish_s() is None and cache_is_empty(engine)
+
+
+def run_to_the_end(engine: LLMEngine, requests: dict, join: dict | None = None, abort_at: dict | None = None) -> dict:
+    """Add `requests` (id -> (prompt, params)), step until done; `join`: step -> requests added before it,
+    `abort_at`: step -> request aborted before it. -> the last output of every request."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outs, step = {}, 0
+    while engine.has_unfinished_requests():
+        for request_id, (prompt, params) in (join or {}).get(step, {}).items():
+            engine.add_request(request_id, prompt, params)
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])
+        outs.update({o.request_id: o for o in engine.step()})
+        step += 1
+    return outs
+
+
+@pytest.mark.parametrize("shadowkv", [SPARSE, None], ids=["shadowkv", "dense"])
+def test_async_decode_gives_the_tokens_text_and_finishes_of_sync_decode(tiny_path, shadowkv):
+    """EngineConfig.async_decode launches a step before reading the one before it back: the same tokens, text and
+    finish reasons as step-by-step decode, on a ragged batch with stop tokens, stop strings, lengths, a late join,
+    an abort and a sampled request (whose batches decode in sync); every cache freed at the end."""
+    prompts = prompts_of_lengths([90, 5, 61, 47, 120, 33], seed=31)
+    config = None if shadowkv is None else ShadowKVConfig(**shadowkv)
+    free = LLM(model=tiny_path, max_num_seqs=6, max_model_len=256, gpu_cache_gib=0.01, shadowkv=config).generate(
+        prompts[:2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    requests = {
+        "long": (prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+        "stop_token": (prompts[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[free[1].token_ids[6]])),
+        "stop_text": (prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                 stop=[free[0].text[5:7]])),
+        "short": (prompts[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+        "aborted": (prompts[3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+    }
+    join = {4: {"late": (prompts[4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))},
+            12: {"sampled": (prompts[5], SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True))}}
+    runs = []
+    for async_decode in (False, True):
+        llm = LLM(model=tiny_path, max_num_seqs=6, max_model_len=256, gpu_cache_gib=0.01, async_decode=async_decode,
+                  shadowkv=config)
+        outs = run_to_the_end(llm.engine, requests, join, abort_at={6: "aborted"})
+        assert cache_is_empty(llm.engine) and llm.engine.in_flight is None
+        runs.append({k: (o.token_ids, o.text, o.finish_reason) for k, o in outs.items()})
+    (sync_aborted, _, _), (async_aborted, _, _) = (run.pop("aborted") for run in runs)
+    assert runs[1] == runs[0]
+    assert async_aborted == sync_aborted[:-1]  # its last token was still in flight when it was aborted
+    assert runs[0]["stop_token"][2] == runs[0]["stop_text"][2] == "stop"
+    assert runs[0]["short"][2] == runs[0]["late"][2] == "length"
+
+
+def test_async_decode_reports_a_token_one_step_late_and_frees_an_abort_after_its_step(tiny_path):
+    """The first decode step returns nothing (its token is read back by the next); an abort while a step that holds
+    the request is in flight frees its cache only once that step is read back."""
+    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, async_decode=True,
+              shadowkv=ShadowKVConfig(**SPARSE))
+    engine = llm.engine
+    engine.add_request("a", prompts_of_lengths([70], seed=37)[0], GREEDY)
+    (prefilled,) = engine.step()
+    assert prefilled.new_token_ids and engine.in_flight is None
+    assert engine.step() == [] and engine.in_flight is not None
+    (second,) = engine.step()
+    assert len(second.token_ids) == 2
+    engine.abort("a")
+    assert engine.stats()["num_running"] == 0 and engine.cache.stats()["num_seqs"] == 1  # its step still runs
+    assert engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert cache_is_empty(engine) and not engine.has_unfinished_requests()
+    sync = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01)
+    assert sync.engine.async_decode is False  # by default, CUDA only

@@ -4,12 +4,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import memory_model as mm
 from ..config import EngineConfig
 from ..models import load_model, load_tokenizer
+from ..transfers import Readback
 from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
 from .sampler import sample
@@ -18,6 +20,17 @@ from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightDecode:
+    """A decode step launched and not yet read back (EngineConfig.async_decode)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # (B,) int64 greedy tokens on the device: the next step's inputs
+    readback: Readback
+    rows: dict[int, int]  # seq_id -> its row
+    release: list[Sequence] = field(default_factory=list)  # finished while it ran: their caches freed once it has
 
 
 class LLMEngine:
@@ -35,6 +48,8 @@ class LLMEngine:
                                   pipeline_min_batch=self._pipeline_min_batch(config),
                                   cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
+        self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
+        self.in_flight: InFlightDecode | None = None
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
         self._seq_ids = itertools.count()
@@ -103,21 +118,37 @@ class LLMEngine:
             self._release(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Whether a step() has work: requests queued or running, or a decode step still to read back."""
+        return self.scheduler.num_unfinished > 0 or self.in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Decode one token for every running request, and advance the prefill under way by as many layers as
-        `max_prefill_tokens` buys (a short prompt's whole prefill; a long prompt's over several steps)."""
+        `max_prefill_tokens` buys (a short prompt's whole prefill; a long prompt's over several steps).
+
+        With async_decode a greedy batch's step is launched and read back in the next step() call, after that call
+        has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
+        or string) has decoded one more token by then, which is dropped."""
         scheduled = self.scheduler.schedule()
-        outputs = []
+        outputs, prev = [], self.in_flight
         if scheduled.prefill:
             self.prefill_job = self.runner.start_prefill(scheduled.prefill)
             self._prefill_clock = (time.monotonic(), True)
-        if scheduled.decode:
-            outputs += self._run(self.runner.decode, scheduled.decode)
-            if self._prefill_clock is not None:
-                self._prefill_clock = (self._prefill_clock[0], False)
+        decode = scheduled.decode
+        if prev is not None:  # a request whose last token is in flight has no step left to run
+            decode = [seq for seq in decode
+                      if len(seq.output_token_ids) + (seq.seq_id in prev.rows) < seq.params.max_tokens]
+        if decode and self.async_decode and all(seq.params.is_greedy for seq in decode):
+            outputs += self._launch(decode, prev)
+            outputs += self._read_back(prev)
+        else:
+            self.in_flight = None
+            outputs += self._read_back(prev)
+            decode = [seq for seq in decode if not seq.is_finished]
+            if decode:
+                outputs += self._run(self.runner.decode, decode)
+        if decode and self._prefill_clock is not None:
+            self._prefill_clock = (self._prefill_clock[0], False)
         if self.prefill_job is not None:
             job = self.prefill_job
             num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)
@@ -125,6 +156,12 @@ class LLMEngine:
             if job.next_layer == self.runner.num_layers:
                 self._time_prefill(job.num_tokens)
         return outputs
+
+    def drain_in_flight(self) -> list[RequestOutput]:
+        """Read back the decode step in flight (async decode), if any: after it every request's tokens are those its
+        cache holds, and nothing runs on the device for this engine."""
+        job, self.in_flight = self.in_flight, None
+        return self._read_back(job)
 
     def _time_prefill(self, num_tokens: int) -> None:
         """A prefill job has run all its layers: if nothing decoded beside it, its time per token, when it is the
@@ -155,11 +192,8 @@ class LLMEngine:
         try:
             logits = forward(seqs)
             tokens = None if logits is None else sample(logits, seqs)
-        except Exception as exc:  # one failed forward fails only its own requests, and frees them
-            logger.exception("engine step failed for %d requests", len(seqs))
-            for seq in list(seqs):
-                seq.finish("error", f"{type(exc).__name__}: {exc}")
-                self._release(seq)
+        except Exception as exc:
+            self._fail(seqs, exc)
             return [seq.output(0) for seq in seqs]
         if tokens is None:
             return []
@@ -169,6 +203,41 @@ class LLMEngine:
                 self.prefill_job = None
             self._append(seq, token)
         return [seq.output(1) for seq in seqs]
+
+    def _launch(self, seqs: list[Sequence], prev: InFlightDecode | None) -> list[RequestOutput]:
+        """Queue a greedy decode step of `seqs` on the device (the step in flight from now on), its inputs the tokens
+        of `prev` where it has them. If queueing it raised, its requests fail: their outputs."""
+        rows = None if prev is None else [prev.rows.get(seq.seq_id, -1) for seq in seqs]
+        try:
+            tokens = self.runner.decode(seqs, None if prev is None else prev.tokens, rows).argmax(dim=-1)
+        except Exception as exc:
+            self._fail(seqs, exc)  # while `prev` is in flight: the caches it uses are freed once it is read back
+            self.in_flight = None
+            return [seq.output(0) for seq in seqs]
+        self.in_flight = InFlightDecode(list(seqs), tokens, Readback(tokens),
+                                        {seq.seq_id: i for i, seq in enumerate(seqs)})
+        return []
+
+    def _read_back(self, job: InFlightDecode | None) -> list[RequestOutput]:
+        """Wait for a launched decode step and append its tokens (dropping those of requests that finished while it
+        ran); then free the caches of the requests that finished while it ran."""
+        if job is None:
+            return []
+        try:
+            tokens = job.readback.tolist()
+        except Exception as exc:
+            failed = [seq for seq in job.seqs if not seq.is_finished]
+            self._fail(failed, exc)
+            outputs = [seq.output(0) for seq in failed]
+        else:
+            outputs = []
+            for seq, token in zip(job.seqs, tokens):
+                if not seq.is_finished:
+                    self._append(seq, token)
+                    outputs.append(seq.output(1))
+        for seq in job.release:
+            self.cache.free(seq.seq_id)
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)
@@ -186,6 +255,13 @@ class LLMEngine:
             seq.finish("stop" if stopped else "length")
             self._release(seq)
 
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        """One failed forward fails only its own requests, and frees them."""
+        logger.error("engine step failed for %d requests", len(seqs), exc_info=exc)
+        for seq in list(seqs):
+            seq.finish("error", f"{type(exc).__name__}: {exc}")
+            self._release(seq)
+
     def _detokenize(self, seq: Sequence, final: bool) -> str:
         if self.tokenizer is None:
             return ""
@@ -193,10 +269,14 @@ class LLMEngine:
         return text if final else text.rstrip("\ufffd")  # a partial UTF-8 character waits for its next bytes
 
     def _release(self, seq: Sequence) -> None:
-        """Free a finished, failed or aborted request's cache at once, and drop it from the prefill under way."""
+        """Drop a finished, failed or aborted request from the running batch and the prefill under way, and free its
+        cache: at once, or, if a decode step still running on the device holds it, once that step is read back."""
         if self.prefill_job is not None and seq in self.prefill_job.seqs:
             self.prefill_job = self.prefill_job.without(seq)
-        self.scheduler.finish(seq)
+        held = self.in_flight is not None and seq.seq_id in self.in_flight.rows
+        self.scheduler.finish(seq, free=not held)
+        if held:
+            self.in_flight.release.append(seq)
         self.requests.pop(seq.request_id, None)
 
     # ---- what the server asks ----------------------------------------------------------------------------
@@ -217,6 +297,7 @@ class LLMEngine:
         """Abort everything and release the caches (pinned host memory included)."""
         for request_id in list(self.requests):
             self.abort(request_id)
+        self.drain_in_flight()
         self.cache.close()
 
     def stats(self) -> dict[str, float]:

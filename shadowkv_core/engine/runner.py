@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AttentionMetadata, KVCache
+from ..transfers import to_device
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 
@@ -76,12 +77,18 @@ class ModelRunner:
         return self.model.compute_logits(self.model.final_norm(job.hidden[last.to(self.device)]))
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token per sequence (its last sampled one); returns (B, vocab) float32 logits."""
-        context = [seq.num_tokens - 1 for seq in seqs]
-        input_ids = torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.int64).to(self.device)
-        meta = AttentionMetadata(False, [s.seq_id for s in seqs], [1] * len(seqs), context,
-                                 torch.tensor(context, dtype=torch.int64, device=self.device))
+    def decode(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None,
+               prev_rows: list[int] | None = None) -> torch.Tensor:
+        """One new token per sequence; returns (B, vocab) float32 logits. A sequence's input is its last token, or,
+        where prev_rows[i] >= 0, row prev_rows[i] of the device tensor prev_tokens: the token that a step still
+        running sampled for it, counted in its context though not yet in its output (LLMEngine's async decode).
+        Nothing here waits for the device."""
+        rows = prev_rows or [-1] * len(seqs)
+        context = [seq.num_tokens - 1 + (row >= 0) for seq, row in zip(seqs, rows)]
+        ints = to_device([[seq.last_token_id for seq in seqs], rows, context], torch.int64, self.device)
+        input_ids = ints[0] if prev_tokens is None else \
+            torch.where(ints[1] >= 0, prev_tokens[ints[1].clamp(min=0)], ints[0])
+        meta = AttentionMetadata(False, [s.seq_id for s in seqs], [1] * len(seqs), context, ints[2])
         metas = meta.halves() if self._pipelined(meta) else (meta,)
         for m in metas:
             self.cache.prepare_forward(m)

@@ -79,10 +79,12 @@ class Scheduler:
             tokens += seq.prompt_len
         return admitted
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's cache at once."""
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        """Drop a finished or aborted sequence, and release its cache at once unless `free` is False (the caller
+        frees it later: a step still running on the device uses it)."""
         if seq in self.running:
             self.running.remove(seq)
-            self.cache.free(seq.seq_id)
+            if free:
+                self.cache.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -9,7 +9,7 @@ allocated up front.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
 from shadowkv_core.shadowkv.pages import GpuPages
 from shadowkv_core.shadowkv.reference import chunk_landmarks
 from shadowkv_core.shadowkv.slots import SequenceState, Slots
+from shadowkv_core.transfers import Readback, to_device
 
 
 @dataclass
@@ -74,7 +75,11 @@ class ShadowKVCache(KVCache):
                                    num_device_pages=num_device_value_pages, device=device)
         self.slots = Slots(max_num_seqs, num_layers, num_kv_heads, head_dim, config, dtype, device)
         self.seqs: dict[int, SequenceState] = {}
-        self.step, self.last_step = StepCounters(), StepCounters()
+        self.step, self._last_step = StepCounters(), StepCounters()
+        # The fast path's counts of the forward under way, and of the decode steps whose counts are not yet read:
+        # (selected, the step's counts on their way to the host, or None for the reference path's self.step)
+        self._step_counts = None
+        self._unread: deque[tuple[StepCounters | int, Readback | None]] = deque()
         # Decode on the Triton kernels (value fetch and key rebuild on two streams) by default on CUDA; the
         # reference path (layer.decode_layer) elsewhere, for heads narrower than the kernels take, and for a custom
         # chunk_scorer.
@@ -156,7 +161,7 @@ class ShadowKVCache(KVCache):
         gpu_pages, host_pages = self.gpu.alloc(n), self.host.alloc(n, on_device=device_value_pages(self.config, n))
         self.seqs[seq_id] = SequenceState(
             slot=self.slots.alloc(), prompt_len=prompt_len, gpu_pages=gpu_pages, host_pages=host_pages,
-            gpu_table=torch.tensor(gpu_pages, dtype=torch.int64, device=self.device),
+            gpu_table=to_device(gpu_pages, torch.int64, self.device),
             host_table=torch.tensor(host_pages, dtype=torch.int64),
             num_shadow=num_shadow, window_len=prompt_len - num_shadow * C,
             num_outliers=min(self.config.outlier_chunks, num_shadow))
@@ -233,7 +238,7 @@ class ShadowKVCache(KVCache):
             width = triton.next_power_of_2(max(len(st.gpu_pages) for st in states))
             rows = [[st.gpu_pages + [0] * (width - len(st.gpu_pages)) for st in states],
                     [st.host_pages + [0] * (width - len(st.host_pages)) for st in states]]
-            held = (tuple(states), torch.tensor(rows, dtype=torch.int32).to(self.device))
+            held = (tuple(states), to_device(rows, torch.int32, self.device))
         self._page_tables[key] = held  # most recent last; holding the states keeps their ids from being reused
         while len(self._page_tables) > self.held_page_tables:
             self._page_tables.popitem(last=False)
@@ -287,8 +292,8 @@ class ShadowKVCache(KVCache):
                 raise ValueError(f"sequence {seq_id}: ShadowKV prefills whole prompts (context 0) and decodes one "
                                  f"token at a time; got {n} tokens after {ctx}")
             shadow.append((st, start, n))
-        dense_tokens = torch.tensor(dense_rows, dtype=torch.int64, device=meta.positions.device)
-        shadow_tokens = torch.tensor([start for _, start, _ in shadow], dtype=torch.int64, device=self.device)
+        dense_tokens = to_device(dense_rows, torch.int64, meta.positions.device)
+        shadow_tokens = to_device([start for _, start, _ in shadow], torch.int64, self.device)
         dense_meta = None
         if dense_idx:
             dense_meta = AttentionMetadata(
@@ -311,20 +316,38 @@ class ShadowKVCache(KVCache):
                 if st.window_len == self.slots.window_tokens:
                     self._fold(st)
         if not meta.is_prefill:
-            self.last_step, self.step = self.step, StepCounters()
+            self._unread.append((self.step, None) if self._step_counts is None else self._step_counts)
+            self.step = StepCounters()
+            self._read_counts()  # the steps that have finished: at most the one before this with async decode
+        self._step_counts = None
         self._splits.clear()
         self._plans.clear()
 
     def _count_fast_step(self, split: BatchSplit) -> None:
-        """The fast path's step counters: its miss counts are read back once per step, after all layers."""
+        """The fast path's step counters: its miss counts, summed over its layers on the device, are copied back once
+        per step and read when last_step is (a decode step launched while the one before it runs does not wait)."""
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
         counts = torch.stack([torch.cat([p.misses, p.prefetched, p.staged_hits, p.device_hits]) for p in self._plans])
-        fetched, prefetched, from_prefetch, from_device = counts.sum(0).tolist()  # one read back for the step
-        self.step = StepCounters(selected, selected - fetched, fetched,
-                                 (fetched - from_prefetch + prefetched - from_device) * self.host.fetch_bytes(),
-                                 prefetched, from_prefetch, from_device)
+        self._step_counts = selected, Readback(counts.sum(0))
+
+    @property
+    def last_step(self) -> StepCounters:
+        """The counters of the last decode step that has finished on the device (never waits: with async decode
+        usually the step before the one in flight; otherwise the last step)."""
+        self._read_counts()
+        return self._last_step
+
+    def _read_counts(self) -> None:
+        while self._unread and (self._unread[0][1] is None or self._unread[0][1].ready()):
+            counters, readback = self._unread.popleft()
+            if readback is not None:
+                fetched, prefetched, from_prefetch, from_device = readback.tolist()
+                host_bytes = (fetched - from_prefetch + prefetched - from_device) * self.host.fetch_bytes()
+                counters = StepCounters(counters, counters - fetched, fetched, host_bytes, prefetched, from_prefetch,
+                                        from_device)
+            self._last_step = counters
 
     def _fold(self, st: SequenceState) -> None:
         """Move the window's older half into the shadow, all layers at once: its U rows are already on the GPU

@@ -24,6 +24,7 @@ from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import rebuild_keys
 from kernels.topk import topk_indices
 from shadowkv_core.shadowkv.slots import SequenceState
+from shadowkv_core.transfers import to_device
 
 
 @dataclass
@@ -59,11 +60,11 @@ class DecodePlan:
         page_tokens = cache.gpu.page_tokens
         rows = [st.seq_len for st in states]
         # every per-sequence integer in one host-to-device copy (each copy costs the host tens of microseconds)
-        ints = torch.tensor([[st.slot for st in states], [st.num_shadow for st in states], selected,
-                             [st.num_outliers * C for st in states], [k * C for k in selected], window,
-                             [st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)],
-                             [r % page_tokens for r in rows], [st.window_len for st in states],
-                             [st.prompt_len for st in states]], dtype=torch.int64).to(dev, non_blocking=True)
+        ints = to_device([[st.slot for st in states], [st.num_shadow for st in states], selected,
+                          [st.num_outliers * C for st in states], [k * C for k in selected], window,
+                          [st.gpu_pages[r // page_tokens] for st, r in zip(states, rows)],
+                          [r % page_tokens for r in rows], [st.window_len for st in states],
+                          [st.prompt_len for st in states]], torch.int64, dev)
         small = ints[:6].to(torch.int32)
         rotary = cache.rotary
         prompt_lens = ints[9]
