@@ -117,8 +117,8 @@ class EngineConfig:
         the same tokens as eager, without the per-kernel launch cost.
     async_decode: launch each decode step before reading the one before it back (LLMEngine.step), so that the host's
         work of a step (bookkeeping, graph launch, read back) runs while the device computes the step before it; the
-        same tokens, each reported one step later. Batches whose requests all decode greedily only (a sampled token is
-        drawn on the host); None: on CUDA only (elsewhere the host computes the step itself).
+        same tokens (sampling runs on the device: engine/sampler.py), each reported one step later. None: on CUDA only
+        (elsewhere the host computes the step itself).
     """
 
     model: str

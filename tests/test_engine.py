@@ -320,7 +320,8 @@ def run_to_the_end(engine: LLMEngine, requests: dict, join: dict | None = None, 
 def test_async_decode_gives_the_tokens_text_and_finishes_of_sync_decode(tiny_path, shadowkv):
     """EngineConfig.async_decode launches a step before reading the one before it back: the same tokens, text and
     finish reasons as step-by-step decode, on a ragged batch with stop tokens, stop strings, lengths, a late join,
-    an abort and a sampled request (whose batches decode in sync); every cache freed at the end."""
+    an abort and a sampled request (drawn on the device, from its seed and token index); every cache freed at the
+    end."""
     prompts = prompts_of_lengths([90, 5, 61, 47, 120, 33], seed=31)
     config = None if shadowkv is None else ShadowKVConfig(**shadowkv)
     free = LLM(model=tiny_path, max_num_seqs=6, max_model_len=256, gpu_cache_gib=0.01, shadowkv=config).generate(
@@ -335,7 +336,8 @@ def test_async_decode_gives_the_tokens_text_and_finishes_of_sync_decode(tiny_pat
         "aborted": (prompts[3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
     }
     join = {4: {"late": (prompts[4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))},
-            12: {"sampled": (prompts[5], SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True))}}
+            12: {"sampled": (prompts[5], SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, top_k=20, seed=3,
+                                                        ignore_eos=True))}}
     runs = []
     for async_decode in (False, True):
         llm = LLM(model=tiny_path, max_num_seqs=6, max_model_len=256, gpu_cache_gib=0.01, async_decode=async_decode,

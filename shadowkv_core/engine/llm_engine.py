@@ -27,7 +27,7 @@ class InFlightDecode:
     """A decode step launched and not yet read back (EngineConfig.async_decode)."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # (B,) int64 greedy tokens on the device: the next step's inputs
+    tokens: torch.Tensor  # (B,) int64 sampled tokens on the device: the next step's inputs
     readback: Readback
     rows: dict[int, int]  # seq_id -> its row
     release: list[Sequence] = field(default_factory=list)  # finished while it ran: their caches freed once it has
@@ -107,7 +107,7 @@ class LLMEngine:
         if not self.scheduler.can_enqueue():
             raise RuntimeError(f"the engine's waiting queue is full ({self.config.max_waiting} requests)")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, torch.Generator().manual_seed(seed))
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, seed)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
@@ -126,7 +126,7 @@ class LLMEngine:
         """Decode one token for every running request, and advance the prefill under way by as many layers as
         `max_prefill_tokens` buys (a short prompt's whole prefill; a long prompt's over several steps).
 
-        With async_decode a greedy batch's step is launched and read back in the next step() call, after that call
+        With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
         or string) has decoded one more token by then, which is dropped."""
         scheduled = self.scheduler.schedule()
@@ -138,7 +138,7 @@ class LLMEngine:
         if prev is not None:  # a request whose last token is in flight has no step left to run
             decode = [seq for seq in decode
                       if len(seq.output_token_ids) + (seq.seq_id in prev.rows) < seq.params.max_tokens]
-        if decode and self.async_decode and all(seq.params.is_greedy for seq in decode):
+        if decode and self.async_decode:
             outputs += self._launch(decode, prev)
             outputs += self._read_back(prev)
         else:
@@ -191,7 +191,7 @@ class LLMEngine:
         still to run) produces nothing yet."""
         try:
             logits = forward(seqs)
-            tokens = None if logits is None else sample(logits, seqs)
+            tokens = None if logits is None else sample(logits, seqs).tolist()
         except Exception as exc:
             self._fail(seqs, exc)
             return [seq.output(0) for seq in seqs]
@@ -205,11 +205,13 @@ class LLMEngine:
         return [seq.output(1) for seq in seqs]
 
     def _launch(self, seqs: list[Sequence], prev: InFlightDecode | None) -> list[RequestOutput]:
-        """Queue a greedy decode step of `seqs` on the device (the step in flight from now on), its inputs the tokens
-        of `prev` where it has them. If queueing it raised, its requests fail: their outputs."""
+        """Queue a decode step of `seqs` on the device, sampling included (the step in flight from now on), its inputs
+        the tokens of `prev` where it has them. If queueing it raised, its requests fail: their outputs."""
         rows = None if prev is None else [prev.rows.get(seq.seq_id, -1) for seq in seqs]
+        index = [len(seq.output_token_ids) + (row >= 0) for seq, row in zip(seqs, rows or [-1] * len(seqs))]
         try:
-            tokens = self.runner.decode(seqs, None if prev is None else prev.tokens, rows).argmax(dim=-1)
+            logits = self.runner.decode(seqs, None if prev is None else prev.tokens, rows)
+            tokens = sample(logits, seqs, index)
         except Exception as exc:
             self._fail(seqs, exc)  # while `prev` is in flight: the caches it uses are freed once it is read back
             self.in_flight = None

@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import torch
-
 from .sampling import SamplingParams
 
 
@@ -30,13 +28,13 @@ class RequestOutput:
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator):
+                 seed: int):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
-        self.generator = generator
+        self.seed = seed  # what its sampled tokens are drawn from (sampler.py), with their index in its output
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.text = ""
