@@ -123,11 +123,13 @@ def warm_up(engine: LLMEngine, context: int) -> None:
         engine.step()
 
 
-def prefill(engine: LLMEngine, prompt: list[int], max_new: int, device: str) -> float:
-    """Seconds to the first token of one request on an idle engine."""
+def prefill(engine: LLMEngine, prompt: list[int], max_new: int, device: str, temperature: float = 0.0,
+            top_p: float = 1.0) -> float:
+    """Seconds to the first token of one request on an idle engine (greedy unless a temperature is given)."""
     sync(device)
     start = time.perf_counter()
-    engine.add_request("r0", prompt, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+    engine.add_request("r0", prompt, SamplingParams(max_tokens=max_new, temperature=temperature, top_p=top_p, seed=0,
+                                                    ignore_eos=True))
     while not engine.requests["r0"].output_token_ids:
         engine.step()
     sync(device)
@@ -233,7 +235,7 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         prompt = random_prompt(g.vocab_size, context)
-        ttft = prefill(engine, prompt, args.max_new_tokens, device)
+        ttft = prefill(engine, prompt, args.max_new_tokens, device, args.temperature, args.top_p)
         rows = []
         for batch in batches:
             while len(engine.requests) < batch:
@@ -245,6 +247,8 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
             peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
             row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
             row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            if args.temperature:
+                row["sampling"] = {"temperature": args.temperature, "top_p": args.top_p}
             if cfg is not None and cfg.device_value_share:
                 row["device_value_share"] = cfg.device_value_share
             if isinstance(engine.cache, ShadowKVCache):
@@ -456,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="what each sequence reserves")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' sampling (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-batch", type=int, default=1 << 20, help="cap on every batch (short runs)")
     parser.add_argument("--gpu-util", type=float, default=0.9, help="share of GPU memory the memory model may plan")
     parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")

@@ -21,11 +21,12 @@ def tiny_path(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=2))
 
 
-def run(engine: LLMEngine) -> dict[str, list[int]]:
+def run(engine: LLMEngine, temperature: float = 0) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(5)
     for i, (n, m) in enumerate(zip(PROMPT_LENS, MAX_TOKENS)):
         prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=temperature, top_p=0.9, seed=i,
+                                                           ignore_eos=True))
     tokens = {}
     while len(tokens) < len(PROMPT_LENS):
         for out in engine.step():
@@ -90,17 +91,18 @@ FP8_PIPELINED = ({**SHADOW, "value_format": "fp8"}, {"pipeline_min_batch": 2})
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0, 0.8], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("shadowkv, kwargs", [(None, {}), FP8_PIPELINED],
                          ids=["dense", "shadowkv-fp8-pipelined"])
-def test_async_decode_gives_the_sync_tokens_gpu(tiny_path, shadowkv, kwargs):
-    """Each step launched while the one before it runs, its inputs the device's own greedy tokens: the tokens of
+def test_async_decode_gives_the_sync_tokens_gpu(tiny_path, shadowkv, kwargs, temperature):
+    """Each step launched while the one before it runs, its inputs the tokens the device sampled: the tokens of
     steps read back one by one, graphs replayed, and nothing held once the engine drains."""
     sync = engine_of(tiny_path, "cuda", shadowkv, async_decode=False, **kwargs)
-    want = run(sync)
+    want = run(sync, temperature)
     sync.close()
     engine = engine_of(tiny_path, "cuda", shadowkv, **kwargs)
     assert engine.async_decode  # the default on CUDA
-    got = run(engine)
+    got = run(engine, temperature)
     while engine.has_unfinished_requests():
         engine.step()
     assert got == want and engine.runner.graphs.replays > 0

@@ -70,3 +70,14 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert tokens[0::2].tolist() == logits[0::2].argmax(-1).tolist()
     top5 = logits[1::2].topk(5).indices
     assert all(int(t) in row.tolist() for t, row in zip(tokens[1::2], top5))
+
+
+@pytest.mark.gpu
+def test_cuda_draws_the_cpu_tokens_gpu():
+    """The noise is a hash, not a generator's stream: the same tokens on CUDA as on the CPU."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(64, 1000, generator=gen) * 3
+    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.95), SamplingParams(temperature=1.3)] * 32
+    seqs = seqs_of(params, [s * 7919 for s in range(64)])
+    index = list(range(64))
+    assert sample(logits.cuda(), seqs, index).tolist() == sample(logits, seqs, index).tolist()
