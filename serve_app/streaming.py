@@ -16,11 +16,14 @@ from serve_app.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk
 
 SSE_DONE = "data: [DONE]\n\n"
 Kind = Literal["completion", "chat"]
+# Characters JSON leaves raw in strings that Python's line splitting (str.splitlines, httpx's aiter_lines) breaks a
+# line at: generated text holding one would split an event's data line in such a client. Escaped, they stay in it.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(payload: BaseModel | dict) -> str:
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_LINE_BREAKS)}\n\n"
 
 
 def raise_if_error(event: dict) -> None:

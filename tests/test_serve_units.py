@@ -80,6 +80,16 @@ def test_sse_stream_chunks_usage_and_done():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 
+def test_sse_data_lines_survive_line_splitting_on_unicode_breaks():
+    """Generated text may hold U+0085, U+2028 or U+2029, which JSON leaves raw and str.splitlines (as httpx's
+    aiter_lines) breaks lines at: each event is still one line, and its text comes back whole."""
+    text = "a\x85b\u2028c\u2029d\ne\x0b"
+    lines = asyncio.run(_drain(sse_stream(_events([text]), ChunkFormatter("completion", "c", "m"), False)))
+    data = [line for line in "".join(lines).splitlines() if line]
+    assert data[-1] == SSE_DONE.strip() and all(line.startswith("data: ") for line in data)
+    assert json.loads(data[0][6:])["choices"][0]["text"] == text
+
+
 def test_sse_stream_sends_an_error_event_then_done():
     async def failing():
         yield {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
