@@ -16,18 +16,21 @@ from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
 
 
+@pytest.mark.parametrize("async_decode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("cfg", [None, TINY_SHADOWKV, dataclasses.replace(TINY_SHADOWKV, value_format="fp8")],
                          ids=["dense", "shadowkv", "shadowkv_fp8"])
-def test_a_cloned_sequence_decodes_the_same_tokens_as_its_source(cfg):
+def test_a_cloned_sequence_decodes_the_same_tokens_as_its_source(cfg, async_decode):
+    """Async decode (the default on CUDA): the clone is made once the step in flight is read back."""
     model = write_config(tp.geometry_config("tiny", 1024))
     g = mm.Geometry.from_spec(_spec(model), torch.float32)
-    engine = tp.build_engine(model, g, cfg, 600, 2, 24, "cpu")
+    engine = tp.build_engine(model, g, cfg, 600, 2, 24, "cpu", async_decode=async_decode)
     tp.prefill(engine, torch.randint(0, g.vocab_size, (600,)).tolist(), 24, "cpu")
     for _ in range(3):
         engine.step()
     tp.clone_request(engine, "r0", "r1")  # mid-generation: window, resident chunks and generated tokens copied
     for _ in range(6):
         engine.step()
+    engine.drain_in_flight()
     source, clone = engine.requests["r0"].output_token_ids, engine.requests["r1"].output_token_ids
     engine.close()
     assert clone == source and len(source) == 10
