@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         tp.prefill(engine, tp.random_prompt(g.vocab_size, args.context), max_new, "cuda")
         while len(engine.requests) < args.batch:
             tp.clone_request(engine, "r0", f"r{len(engine.requests)}")
-        times, _ = tp.time_decode(engine, 8, 2, "cuda")  # captures the graph; the timed steps replay it
+        times, _ = tp.time_decode(engine, 8, 2)  # captures the graph; the timed steps replay it
         for obj, name, phase in ((engine, "step", "step"), (engine.cache, "prepare_forward", "prepare"),
                                  (engine.runner.graphs, "run", "graph"), (engine.cache, "finish_forward", "finish")):
             traced(obj, name, f"timeline:{phase}")

@@ -171,21 +171,22 @@ def copy_cache_state(cache, src: int, dst: int) -> None:
     dense.lengths[dst] = dense.lengths[src]
 
 
-def time_decode(engine: LLMEngine, steps: int, warmup: int, device: str) -> tuple[list[float], list[dict]]:
-    """Step times (s) and engine stats of `steps` decode steps of the whole running batch, after `warmup` steps. A
-    step is timed from the return of the step() before it to its own, as a server runs them: no sync in between, so
-    that a step launched while the one before it runs (async decode) overlaps it as it would serving."""
+def time_decode(engine: LLMEngine, steps: int, warmup: int) -> tuple[list[float], list[dict]]:
+    """Step times (s) and engine stats of `steps` decode steps of the whole running batch, after `warmup` (>= 1)
+    steps. A step is timed from the return of the step() before it to its own, as a server runs them (its stats
+    read included): no sync in between, so that a step launched while the one before it runs (async decode)
+    overlaps it as it would serving. A sync before the first timed step would drain that overlap and time the step
+    after it at its host time alone."""
+    assert warmup >= 1, "the first timed step needs one before it"
     times, stats = [], []
+    last = 0.0
     for i in range(warmup + steps):
-        if i == warmup:
-            sync(device)
-            last = time.perf_counter()
         engine.step()
+        now = time.perf_counter()
         if i >= warmup:
-            now = time.perf_counter()
             times.append(now - last)
             stats.append(engine.stats())
-            last = time.perf_counter()
+        last = now
     return times, stats
 
 
@@ -240,7 +241,7 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
         for batch in batches:
             while len(engine.requests) < batch:
                 clone_request(engine, "r0", f"r{len(engine.requests)}")
-            times, stats = time_decode(engine, args.steps, args.warmup_steps, device)
+            times, stats = time_decode(engine, args.steps, args.warmup_steps)
             hit = sum(s.get("hit_rate", 1.0) for s in stats) / len(stats) if cfg is not None else None
             floor = (dense_floor_s(g, context, batch, run["copy_bps"]) if cfg is None else
                      shadowkv_floor_s(g, cfg, context, batch, hit, run["copy_bps"], run["h2d_bps"]))

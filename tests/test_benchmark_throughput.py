@@ -1,9 +1,11 @@
 """benchmarks/throughput.py on a tiny geometry on CPU: the script runs end to end and its shortcut is honest (a cloned
-sequence decodes exactly what its source decodes). No timing is asserted."""
+sequence decodes exactly what its source decodes). No speed is asserted; one test checks how a step is timed, on a
+stand-in engine."""
 import dataclasses
 import importlib.util
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -168,3 +170,22 @@ def test_run_isolated_runs_in_another_process_and_raises_its_errors():
     assert tp.run_isolated(os.getpid) != os.getpid()
     with pytest.raises(ValueError, match="invalid literal"):
         tp.run_isolated(int, "not a number")
+
+
+def test_decode_steps_are_timed_return_to_return():
+    """time_decode times a step from the return of the one before it, the stats read between them included (with
+    async decode the device runs the step in flight meanwhile; nothing drains it before the first timed step)."""
+    class Engine:
+        calls = 0
+
+        def step(self):
+            Engine.calls += 1
+            time.sleep(0.005)
+
+        def stats(self):
+            time.sleep(0.003)
+            return {"step": Engine.calls}
+
+    times, stats = tp.time_decode(Engine(), 3, 2)
+    assert [s["step"] for s in stats] == [3, 4, 5]
+    assert len(times) == 3 and all(0.008 <= t < 0.05 for t in times[1:]) and 0.005 <= times[0] < 0.05
