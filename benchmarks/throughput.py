@@ -48,7 +48,8 @@ from shadowkv_core.shadowkv.cache import ShadowKVCache
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
                   "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
-                  "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined")
+                  "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined",
+                  "shadowkv_fp8lm_tiered_prefetch_pipelined")
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *(f"{m}_sync" for m in ENGINE_METHODS), "hf",
            "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",

@@ -189,3 +189,20 @@ def test_decode_steps_are_timed_return_to_return():
     times, stats = tp.time_decode(Engine(), 3, 2)
     assert [s["step"] for s in stats] == [3, 4, 5]
     assert len(times) == 3 and all(0.008 <= t < 0.05 for t in times[1:]) and 0.005 <= times[0] < 0.05
+
+
+@pytest.mark.parametrize("method", tp.METHODS[:-2])
+def test_a_method_name_sets_what_it_says(method):
+    """Each part of an engine method's name sets its config: fp8 values (and landmarks), a device value tier,
+    speculative prefetch, pipelined halves, no CUDA graphs (_eager), no async decode (_sync)."""
+    cfg, options = tp.method_setup(method, ShadowKVConfig(), tier_share=0.25)
+    if method.startswith("dense"):
+        assert cfg is None
+    else:
+        assert cfg.value_format == ("fp8" if "_fp8" in method else "model")
+        assert cfg.landmark_format == ("fp8" if "_fp8lm" in method else "model")
+        assert cfg.device_value_share == (0.25 if "_tiered" in method else 0.0)
+        assert cfg.prefetch == ("_prefetch" in method)
+    assert options["pipeline_decode"] == ("_pipelined" in method)
+    assert options["cuda_graphs"] == (not method.endswith("_eager"))
+    assert options["async_decode"] == (False if method.endswith("_sync") else None)
