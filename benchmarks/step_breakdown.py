@@ -37,9 +37,11 @@ def profile_steps(engine, steps: int, cuda: bool) -> dict[str, float]:
     """Milliseconds per step of device time by group (CPU time of the projections on CPU), `other` for the rest
     (norms, RoPE, the new token's U row, sampling, copies); `device_total` sums every kernel: more than the step's
     wall time where the value fetch and key rebuild overlap on their streams. The steps run eager: a CUDA graph's
-    replay launches the same kernels but hides which projection launched each."""
+    replay launches the same kernels but hides which projection launched each. A decode step still in flight
+    (async decode) is read back first: its kernels would otherwise run inside the profile and count as the steps'."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     graphs, engine.runner.graphs = engine.runner.graphs, None
+    engine.drain_in_flight()
     try:
         with profile(activities=activities, record_shapes=True) as prof:
             for _ in range(steps):
