@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=122880)
     parser.add_argument("--batch", type=int, default=31)
     parser.add_argument("--method", default="shadowkv_fp8lm_tiered_pipelined",
-                        choices=[*tp.ENGINE_METHODS, *(f"{m}_sync" for m in tp.ENGINE_METHODS)])
+                        choices=[*tp.ENGINE_METHODS, *tp.SYNC_METHODS])
     parser.add_argument("--tier-share", type=float, default=None,
                         help="device_value_share of a _tiered method (default: the memory model's best)")
     parser.add_argument("--steps", type=int, default=3, help="decode steps profiled")

@@ -50,8 +50,8 @@ ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "sh
                   "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
                   "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined",
                   "shadowkv_fp8lm_tiered_prefetch_pipelined")
-METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *(f"{m}_sync" for m in ENGINE_METHODS), "hf",
-           "hf_static")
+SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
+METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *SYNC_METHODS, "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
            "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
 
@@ -340,11 +340,11 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
             s["shadowkv_fp8_over_dense"] = fp8["decode_tok_s"] / dense["decode_tok_s"]
         if fp8 and sk:
             s["fp8_batch_over_bf16"] = fp8["batch"] / sk["batch"]
+        here = {}  # method -> batch -> row, at this model and context
+        for r in rows:
+            if (r["model"], r["context"]) == (model, context):
+                here.setdefault(r["method"], {})[r["batch"]] = r
         for method in ENGINE_METHODS:  # CUDA graphs against eager, async decode against sync, at the largest batch
-            here = {r["method"]: {} for r in rows}
-            for r in rows:
-                if (r["model"], r["context"]) == (model, context):
-                    here[r["method"]][r["batch"]] = r
             for suffix, name in (("_eager", "graph_speedup"), ("_sync", "async_speedup")):
                 without, with_ = here.get(method + suffix, {}), here.get(method, {})
                 if common := set(without) & set(with_):
@@ -459,7 +459,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 61440, 122880])
     parser.add_argument("--methods", nargs="+", default=["dense", "shadowkv", "hf"], choices=METHODS)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
-    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--warmup-steps", type=int, default=2, help=">= 1: a timed step starts at the one before's end")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=256, help="what each sequence reserves")
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' sampling (default: greedy)")
@@ -481,7 +481,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fetch-grid", default=None, metavar="MISSES:PROGRAMS:WARPS",
                         help="the value fetch's shape instead of the cache's default (benchmarks/kernels.py "
                              "--fetch-shapes-only finds one)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.warmup_steps < 1:
+        parser.error("--warmup-steps must be >= 1 (a timed step is timed from the end of the step before it)")
+    return args
 
 
 def tier_share_for(g: mm.Geometry, method: str, cfg: ShadowKVConfig, gpu: int, host: int, context: int,
