@@ -2,8 +2,8 @@
 engine and the batch shortcut of benchmarks/throughput.py), read back as a timeline. Per step: the host's phases
 (the caches' preparation, the graph launch, the wait), the time to its first device operation (a copy counts), and
 per CUDA stream its busy time by kernel group; for the value-fetch stream, its idle time before its first fetch,
-between fetches and after its last. step_breakdown.py sums kernel time over eager steps; this shows the gaps between kernels, which
-kernel sums cannot.
+between fetches and after its last. step_breakdown.py sums kernel time over eager steps; this shows the gaps between
+kernels, which kernel sums cannot.
 
     PYTHONPATH=. python -m benchmarks.decode_timeline [--context 122880] [--batch 31] [--label NAME]
 

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          excess=args.excess, max_wait_s=BURST_MAX_WAIT_S))
         return rows
     rows = []
-    for name, env in (("edge shedding", EDGE_ENV), ("no edge shedding", {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": ""})):
+    no_shedding = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": ""}
+    for name, env in (("edge shedding", EDGE_ENV), ("no edge shedding", no_shedding)):
         with local_service(app_args(model), "shadowkv", env=env) as url:
             results = asyncio.run(probe(url, args.probes))
         refused = [ms for status, ms, _ in results if status == 429]

@@ -351,8 +351,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128 * 1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--fetch-shapes-only", default=None, metavar="PATH",
-                        help="only sweep the value fetch's shapes (all misses); write the best as misses:programs:warps "
-                             "to PATH (benchmarks/throughput.py --fetch-grid)")
+                        help="only sweep the value fetch's shapes (all misses); write the best as "
+                             "misses:programs:warps to PATH (benchmarks/throughput.py --fetch-grid)")
     parser.add_argument("--device-region-only", action="store_true",
                         help="only time the value fetch with a share of its pages in device memory (all misses)")
     parser.add_argument("--tiles-only", action="store_true",
@@ -400,8 +400,9 @@ def run_all(s, d2d, h2d, args) -> None:
 
 
 def write_and_print(args, start: float) -> None:
-    meta = dict(command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]), python=platform.python_version(), torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(),
+    meta = dict(command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]), python=platform.python_version(),
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                device=torch.cuda.get_device_name(),
                 batch=args.batch, context=args.context, dtype=str(DTYPE), seconds=time.time() - start,
                 budget_share=K * C / args.context)
     with open(args.out, "w") as f:
@@ -413,8 +414,9 @@ def write_and_print(args, start: float) -> None:
         eager = f"{r['eager_ms']:.4f}" if "eager_ms" in r else "-"
         print(f"{r['kernel']:<52}{r['time_ms']:>8.4f}{eager:>8}{r['bytes'] / 1e6:>9.1f}{r['gbps']:>8.1f}"
               f"{r['ceiling_gbps']:>8.1f}{pct:>5}")
-    overlap_table("capped fetch grid", "hbm_copy_overlap_pct", [("+rebuild", "with_rebuild_ms"),
-                  ("overlap%", "rebuild_overlap_pct"), ("+HBM copy", "with_hbm_copy_ms"), ("overlap%", "hbm_copy_overlap_pct")])
+    overlap_table("capped fetch grid", "hbm_copy_overlap_pct", [
+        ("+rebuild", "with_rebuild_ms"), ("overlap%", "rebuild_overlap_pct"), ("+HBM copy", "with_hbm_copy_ms"),
+        ("overlap%", "hbm_copy_overlap_pct")])
     overlap_table("fetch shape (misses x warps / programs)", "mlp_overlap_pct", [("MLP ms", "mlp_ms"),
                   ("both ms", "with_mlp_ms"), ("overlap%", "mlp_overlap_pct")])
 
@@ -424,7 +426,8 @@ def overlap_table(title: str, marker: str, columns: list[tuple[str, str]]) -> No
     print(f"\n{title:<40}{'fetch ms':>9}{'GB/s':>7}" + "".join(f"{h:>10}" for h, _ in columns))
     for r in ROWS:
         if marker in r:
-            print(f"{r['kernel']:<40}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}" + "".join(f"{r[k]:>10.4g}" for _, k in columns))
+            print(f"{r['kernel']:<40}{r['time_ms']:>9.4f}{r['gbps']:>7.1f}"
+                  + "".join(f"{r[k]:>10.4g}" for _, k in columns))
 
 
 if __name__ == "__main__":

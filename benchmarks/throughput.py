@@ -420,8 +420,9 @@ def merge_decode_step(path: Path, rows: list[dict], context: int = 122880, batch
     if not found or not path.is_file():
         return None
     r = min(found, key=lambda x: x["x_floor"])
-    row = {"kernel": "decode_step", "method": r["method"], "device": r["device"], "time_ms": r["itl_p50_ms"], "floor_ms": r["floor_ms"],
-           "time_over_floor": r["x_floor"], "batch": batch, "context": context, "hit_rate": r["hit_rate"],
+    row = {"kernel": "decode_step", "method": r["method"], "device": r["device"], "time_ms": r["itl_p50_ms"],
+           "floor_ms": r["floor_ms"], "time_over_floor": r["x_floor"], "batch": batch, "context": context,
+           "hit_rate": r["hit_rate"],
            "model": r["model"], "note": "whole step (all layers, weights, MLP, sampling), CUDA graphs, from "
                                          "benchmarks/throughput.py; floor per DESIGN.md at the measured hit rate"}
     eager = [x for x in rows if (x["method"], x["context"], x["batch"]) == ("shadowkv_eager", context, batch)]
@@ -477,7 +478,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
                         help="where the decode_step row (ShadowKV, 122K, batch 8) is merged")
     parser.add_argument("--replot", default=None, help="only redraw the PNG from this JSON")
-    parser.add_argument("--merge", action="store_true", help="keep the rows of the existing --out this run does not redo")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the existing --out this run does not redo")
     parser.add_argument("--fetch-grid", default=None, metavar="MISSES:PROGRAMS:WARPS",
                         help="the value fetch's shape instead of the cache's default (benchmarks/kernels.py "
                              "--fetch-shapes-only finds one)")

@@ -335,14 +335,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparse-budget", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=8)
     parser.add_argument("--outlier-chunks", type=int, default=48)
-    parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model", help="host values: model dtype or fp8")
+    parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model",
+                        help="host values: model dtype or fp8")
     args = parser.parse_args(argv)
     g = load_geometry(args.model)
     cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
                          outlier_chunks=args.outlier_chunks, value_format=args.value_format)
     cfg.check_model(g.num_kv_heads, g.head_dim)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
-    print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, host {args.host_gib} GiB")
+    print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, "
+          f"host {args.host_gib} GiB")
     print(f"{'context':>9} {'dense':>6} {'shadowkv':>9} {'ratio':>6} {'GPU/seq GiB':>12} {'host/seq GiB':>13}")
     for context in args.context:
         dense = capacity(g, None, gpu, host, [context], args.max_new_tokens)

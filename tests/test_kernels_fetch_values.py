@@ -183,4 +183,5 @@ def test_fetch_values_staged_misses_and_a_device_region(fp8):
 def test_fetch_values_staged_llama(fp8, misses_per_program):
     C = LLAMA["chunk_size"]
     _check_staged(ragged_lengths(32 * 1024 // C, 4, seed=7), LLAMA["num_kv_heads"], LLAMA["head_dim"],
-                  LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", fp8=fp8, misses_per_program=misses_per_program)
+                  LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", fp8=fp8,
+                  misses_per_program=misses_per_program)

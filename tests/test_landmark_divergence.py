@@ -1,4 +1,5 @@
-"""The landmark divergence of benchmarks/train_small_model.py: how far ShadowKV's chunk scores are from dense attention."""
+"""The landmark divergence of benchmarks/train_small_model.py: how far ShadowKV's chunk scores are from dense
+attention."""
 import math
 
 import torch

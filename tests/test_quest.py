@@ -1,4 +1,5 @@
-"""Quest's chunk scores bound every key's logit in the chunk, are exact for one-token chunks, and plug into the cache."""
+"""Quest's chunk scores bound every key's logit in the chunk, are exact for one-token chunks, and plug into the
+cache."""
 import torch
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig

@@ -39,8 +39,8 @@ def test_api_keys_from_env_and_file(tmp_path):
         load_api_keys({KEY_FILE_ENV: str(tmp_path / "missing")})
 
 
-@pytest.mark.parametrize("model", ["./models/not-there", "models/a/not-there", "../escape/model", "/abs/../model", "not a model id",
-                                   "http://example.com/x"])
+@pytest.mark.parametrize("model", ["./models/not-there", "models/a/not-there", "../escape/model", "/abs/../model",
+                                   "not a model id", "http://example.com/x"])
 def test_bad_model_paths_fail_at_build_time(model):
     with pytest.raises(ValueError, match="model:"):
         resolve_model(AppArgs(model=model))

@@ -1,5 +1,6 @@
 """The service end to end on a real local Ray Serve instance (CPU, loopback, a tiny random model): the official
-OpenAI client, greedy equality with `LLM.generate` (dense and ShadowKV), errors in OpenAI's shape, overload, client disconnect."""
+OpenAI client, greedy equality with `LLM.generate` (dense and ShadowKV), errors in OpenAI's shape, overload, client
+disconnect."""
 import asyncio
 import json
 import time

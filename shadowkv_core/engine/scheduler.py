@@ -2,8 +2,9 @@
 
 Every step, every running sequence decodes one token, and, when no prefill is under way, waiting sequences are
 admitted for the next one while the cache can hold them (everything they will ever need is reserved up front, so
-admitted work never runs out of memory mid-decode). Prefills are grouped by context length: the oldest waiting sequence picks the length bucket and only
-prompts of that bucket join its prefill batch, up to a token budget, so long prefills do not ride with short ones.
+admitted work never runs out of memory mid-decode). Prefills are grouped by context length: the oldest waiting
+sequence picks the length bucket and only prompts of that bucket join its prefill batch, up to a token budget, so
+long prefills do not ride with short ones.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """ShadowKVCache: the KVCache interface over the shadow (DESIGN.md's data path), ragged batches, per-sequence state.
 
-Sequences that fit in `config.min_context` tokens stay in a composed dense cache; the others are kept in shadows: prefill
-factorises their keys, finds landmarks and outliers and sends values to the host; each decode step selects chunks,
-rebuilds/fetches the misses (layer.py) and attends over [outliers | selected | local + generated]. When the window
-of exact tokens is full its older half is folded into the shadow, so generation is bounded only by the pages
+Sequences that fit in `config.min_context` tokens stay in a composed dense cache; the others are kept in shadows:
+prefill factorises their keys, finds landmarks and outliers and sends values to the host; each decode step selects
+chunks, rebuilds/fetches the misses (layer.py) and attends over [outliers | selected | local + generated]. When the
+window of exact tokens is full its older half is folded into the shadow, so generation is bounded only by the pages
 allocated up front.
 """
 from __future__ import annotations
@@ -50,10 +50,10 @@ class BatchSplit:
 
 
 class ShadowKVCache(KVCache):
-    """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of `config.page_chunks`
-    chunks, and `num_device_value_pages` value pages in device memory (config.device_value_share). `rotary` is the
-    model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the
-    sequences that fit in config.min_context tokens."""
+    """Sizes come from the engine: `max_num_seqs` slots, `num_gpu_pages` / `num_host_pages` pages of
+    `config.page_chunks` chunks, and `num_device_value_pages` value pages in device memory (config.device_value_share).
+    `rotary` is the model's RotaryEmbedding (keys are rebuilt at their true positions); `dense` holds the sequences that
+    fit in config.min_context tokens."""
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                  scale: float, rotary, dtype: torch.dtype, device: torch.device | str, max_num_seqs: int,

@@ -105,7 +105,8 @@ class HostValueStore(PagePool):
         if self.pinned:
             err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: error {int(err)}")
+                raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: "
+                                   f"error {int(err)}")
             self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
         values = region[:value_bytes].view(value_dtype).view(self.shape)
         scales = region[scale_offset:nbytes].view(torch.float32).view(self.scales_shape) if self.fp8 else None
