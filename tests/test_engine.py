@@ -371,3 +371,37 @@ def test_async_decode_reports_a_token_one_step_late_and_frees_an_abort_after_its
     assert cache_is_empty(engine) and not engine.has_unfinished_requests()
     sync = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01)
     assert sync.engine.async_decode is False  # by default, CUDA only
+
+
+@pytest.mark.parametrize("where", ["launch", "read_back"])
+def test_async_decode_failure_fails_its_requests_and_frees_them_after_the_step_holding_them(tiny_path, monkeypatch,
+                                                                                             where):
+    """A decode step that fails to launch, or whose tokens fail to come back, while another step holding the same
+    requests is in flight: the requests end with an error at once, and their caches are freed once no step still
+    running holds them; the engine then serves a new request."""
+    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, async_decode=True,
+              shadowkv=ShadowKVConfig(**SPARSE))
+    engine = llm.engine
+    for request_id, prompt in zip("ab", prompts_of_lengths([70, 9], seed=41)):
+        engine.add_request(request_id, prompt, GREEDY)
+    while engine.in_flight is None or len(engine.in_flight.seqs) < 2:
+        engine.step()
+
+    def broken(*args):
+        raise RuntimeError("injected failure")
+
+    with monkeypatch.context() as patch:
+        if where == "launch":
+            patch.setattr(engine.runner, "decode", broken)
+        else:
+            patch.setattr(engine.in_flight.readback, "tolist", broken)
+        outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    assert all(o.finished and o.finish_reason == "error" and "injected failure" in o.error for o in outs)
+    assert engine.stats()["num_running"] == 0
+    # launch: the step holding them was read back in the same call; read_back: the step launched before it holds them
+    assert engine.cache.stats()["num_seqs"] == (2 if where == "read_back" else 0)
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert cache_is_empty(engine) and engine.in_flight is None
+    assert llm.generate([prompts_of_lengths([30], seed=43)[0]], GREEDY)[0].finish_reason == "length"
