@@ -13,14 +13,12 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
 Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_fp8lm (fp8 values and fp8 landmarks,
-ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_prefetch][_pipelined]
+ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_pipelined]
 (_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
-run's memory, so the device memory a host-bound batch leaves over holds values; _prefetch: speculative value
-prefetch, ShadowKVConfig.prefetch; _pipelined: Decoder.forward_halves), hf (its dynamic cache), hf_static (its
-static cache; the ratios to HF take the faster of the two); each
+run's memory, so the device memory a host-bound batch leaves over holds values; _pipelined: Decoder.forward_halves),
+hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the faster of the two); each
 engine method with the suffix _eager runs without CUDA graphs, and with _sync without async decode
-(EngineConfig.async_decode), at the batches that compare with it (8 and its largest). --merge keeps the rows of an
-earlier file that this run does not redo.
+(EngineConfig.async_decode), at the batches that compare with it (8 and its largest).
 """
 from __future__ import annotations
 
@@ -46,14 +44,12 @@ from shadowkv_core.engine.sequence import SequenceStatus
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
-                  "shadowkv_prefetch", "shadowkv_fp8_prefetch", "shadowkv_prefetch_pipelined",
-                  "shadowkv_fp8_prefetch_pipelined", "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined",
-                  "shadowkv_fp8lm_pipelined", "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined",
-                  "shadowkv_fp8lm_tiered_prefetch_pipelined")
+                  "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
+                  "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined")
 SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *SYNC_METHODS, "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
-           "peak_host_gib", "hit_rate", "critical_fetch_fraction", "x_floor"]
+           "peak_host_gib", "hit_rate", "device_fetch_fraction", "x_floor"]
 
 
 def geometry_config(name: str, max_len: int) -> dict:
@@ -78,15 +74,11 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = method.removesuffix("_eager")
     pipelined = base.endswith("_pipelined")
     base = base.removesuffix("_pipelined")
-    prefetch = base.endswith("_prefetch")
-    base = base.removesuffix("_prefetch")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
     shadow = {"dense": None, "hf": None, "hf_static": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
               "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
-    if prefetch:
-        shadow = dataclasses.replace(shadow, prefetch=True)
     if tiered:
         shadow = dataclasses.replace(shadow, device_value_share=tier_share)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
@@ -192,17 +184,12 @@ def time_decode(engine: LLMEngine, steps: int, warmup: int) -> tuple[list[float]
 
 
 def fetch_figures(stats: list[dict]) -> dict:
-    """Where the misses' values came from over the timed steps: the share of miss bytes read on the step's critical
-    path (1 without prefetch), the prefetch's fetches over the misses (its cost), and the share of chunks fetched
-    from the device value region instead of the host (device_value_share)."""
+    """The share of the timed steps' fetched chunks read from the device value region instead of the host
+    (device_value_share)."""
     fetched = sum(s.get("chunks_fetched", 0) for s in stats)
     if not fetched:
         return {}
-    staged = sum(s.get("chunks_from_prefetch", 0) for s in stats)
-    prefetched = sum(s.get("chunks_prefetched", 0) for s in stats)
-    from_device = sum(s.get("chunks_from_device", 0) for s in stats)
-    return {"critical_fetch_fraction": 1 - staged / fetched, "prefetched_over_misses": prefetched / fetched,
-            "device_fetch_fraction": from_device / (fetched + prefetched)}
+    return {"device_fetch_fraction": sum(s.get("chunks_from_device", 0) for s in stats) / fetched}
 
 
 def random_prompt(vocab_size: int, context: int) -> list[int]:
@@ -229,9 +216,6 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
     g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
     cfg, options = method_setup(method, run["shadowkv"], run["tier_share"])
     engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
-    if args.fetch_grid and isinstance(engine.cache, ShadowKVCache):
-        cache = engine.cache
-        cache.fetch_misses_per_program, cache.fetch_programs, cache.fetch_warps = map(int, args.fetch_grid.split(":"))
     try:
         warm_up(engine, context)
         if device == "cuda":
@@ -253,9 +237,6 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
                 row["sampling"] = {"temperature": args.temperature, "top_p": args.top_p}
             if cfg is not None and cfg.device_value_share:
                 row["device_value_share"] = cfg.device_value_share
-            if isinstance(engine.cache, ShadowKVCache):
-                c = engine.cache
-                row["fetch_grid"] = f"{c.fetch_misses_per_program}:{c.fetch_programs}:{c.fetch_warps}"
             row.update(fetch_figures(stats) if cfg is not None else {})
             if batch in profile_at:
                 row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
@@ -350,17 +331,6 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
                 if common := set(without) & set(with_):
                     b = max(common)
                     s[f"{method}_{name}_at_{b}"] = with_[b]["decode_tok_s"] / without[b]["decode_tok_s"]
-        for method in ENGINE_METHODS:  # speculative prefetch against none, step time at each batch both ran
-            if "_prefetch" not in method:
-                continue
-            base = method.replace("_prefetch", "")
-            pairs = {}
-            for r in rows:
-                if (r["model"], r["context"]) == (model, context) and r["method"] in (method, base):
-                    pairs.setdefault(r["batch"], {})[r["method"]] = r["itl_p50_ms"]
-            for b, p in sorted(pairs.items()):
-                if len(p) == 2:
-                    s[f"{method}_step_reduction_at_{b}"] = 1 - p[method] / p[base]
         if sk and dense:
             s["shadowkv_over_dense"] = sk["decode_tok_s"] / dense["decode_tok_s"]
             s["prefill_overhead"] = sk["ttft_s"] / dense["ttft_s"] - 1
@@ -444,16 +414,6 @@ def plan(method: str, dense_max: int, own_max: int) -> tuple[list[int], set[int]
     return sweep_batches(dense_max), {dense_max} if method == "dense" else set()
 
 
-def earlier_rows(path: Path, redone: set[tuple[str, int, str]]) -> list[dict]:
-    """The rows of an earlier file at `path` that this run does not redo ((model, context, method) not in `redone`),
-    each with the command that measured it."""
-    if not path.is_file():
-        return []
-    earlier = json.loads(path.read_text())
-    return [{"command": earlier["environment"]["command"], **r} for r in earlier["rows"]
-            if (r["model"], r["context"], r["method"]) not in redone]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b", choices=[*mm.PRESETS, "tiny"], help="geometry")
@@ -478,11 +438,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels-json", default=str(RESULTS / "kernels.json"),
                         help="where the decode_step row (ShadowKV, 122K, batch 8) is merged")
     parser.add_argument("--replot", default=None, help="only redraw the PNG from this JSON")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of the existing --out this run does not redo")
-    parser.add_argument("--fetch-grid", default=None, metavar="MISSES:PROGRAMS:WARPS",
-                        help="the value fetch's shape instead of the cache's default (benchmarks/kernels.py "
-                             "--fetch-shapes-only finds one)")
     args = parser.parse_args(argv)
     if args.warmup_steps < 1:
         parser.error("--warmup-steps must be >= 1 (a timed step is timed from the end of the step before it)")
@@ -518,7 +473,6 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
     tasks = [(c, m, share) for c in args.contexts for m in args.methods
              for share in (args.tier_share if "_tiered" in m else [None])]
-    kept = earlier_rows(out, {(args.model, c, m) for c, m, _ in tasks}) if args.merge else []
     for context, method, share in progress(tasks):
         tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, share)
         dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
@@ -539,11 +493,11 @@ def main(argv: list[str] | None = None) -> dict:
             failures.append({"context": context, "method": method, "tier_share": tier_share,
                              "error": f"{type(exc).__name__}: {exc}"})
             print(f"{context} {method} failed: {failures[-1]['error']}", file=sys.stderr)
-        summary = summarize(kept + rows, copy_bps, {**mm.PRESETS, args.model: g})  # kept rows: any preset
-        path = write_json(out, kept + rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
+        summary = summarize(rows, copy_bps, {**mm.PRESETS, args.model: g})
+        path = write_json(out, rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
                           h2d_gbps=h2d_bps / 1e9, gpu_plan_bytes=gpu_total, host_plan_bytes=host,
                           shadowkv=dataclasses.asdict(cfg))
-    png = plot(kept + rows, summary, path.with_suffix(".png")) if rows else None
+    png = plot(rows, summary, path.with_suffix(".png")) if rows else None
     decode_step = merge_decode_step(Path(args.kernels_json), rows) if args.model == "llama-3.1-8b" else None
     print(f"wrote {path}, {png}; decode_step row: {decode_step}")
     print_table(rows, COLUMNS)

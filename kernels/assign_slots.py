@@ -23,7 +23,7 @@ import triton.language as tl
 def _assign_slots_kernel(resident_ptr, slot_ptr, selected_ptr, num_selected_ptr, miss_chunks_ptr, miss_slots_ptr,
                          num_miss_ptr, total_ptr, stride_rn, stride_rh, stride_sb, stride_sh, stride_mb, stride_mh,
                          stride_nb, K: tl.constexpr, K_PAD: tl.constexpr, K_MAX: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UPDATE: tl.constexpr, TOTAL: tl.constexpr):
+                         TOTAL: tl.constexpr):
     h, b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     k = tl.load(num_selected_ptr + b)
@@ -51,19 +51,17 @@ def _assign_slots_kernel(resident_ptr, slot_ptr, selected_ptr, num_selected_ptr,
     tl.store(num_miss_ptr + b * stride_nb + h, num_miss)
     if TOTAL:
         tl.atomic_add(total_ptr, num_miss)
-    if UPDATE:
-        # The j-th miss goes to the j-th free slot: read back the chunk ids this program stored above.
-        tl.debug_barrier()
-        incoming = tl.load(miss_chunks_ptr + miss_base + free_rank, mask=takes_miss, other=-1).to(tl.int64)
-        tl.store(res_ptrs, tl.where(kept > 0, resident, incoming), mask=s_mask)
+    # The j-th miss goes to the j-th free slot: read back the chunk ids this program stored above.
+    tl.debug_barrier()
+    incoming = tl.load(miss_chunks_ptr + miss_base + free_rank, mask=takes_miss, other=-1).to(tl.int64)
+    tl.store(res_ptrs, tl.where(kept > 0, resident, incoming), mask=s_mask)
 
 
 def assign_slots(resident: torch.Tensor, slot_ids: torch.Tensor, selected: torch.Tensor,
-                 num_selected: torch.Tensor, update: bool = True,
+                 num_selected: torch.Tensor,
                  miss_total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Updates resident[slot_ids] in place (unless `update` is False: the misses of a selection not taken, as a
-    speculative prefetch asks) and adds the misses to miss_total if given -> miss_chunks, miss_slots (B, Hkv, K)
-    int32, num_miss (B, Hkv) int32."""
+    """Updates resident[slot_ids] in place and adds the misses to miss_total if given -> miss_chunks, miss_slots
+    (B, Hkv, K) int32, num_miss (B, Hkv) int32."""
     N, Hkv, K = resident.shape
     B, Hkv_s, k_max = selected.shape
     assert Hkv_s == Hkv and k_max <= K and slot_ids.shape == num_selected.shape == (B,), (resident.shape,
@@ -81,6 +79,6 @@ def assign_slots(resident: torch.Tensor, slot_ids: torch.Tensor, selected: torch
         num_miss if miss_total is None else miss_total,  # not read without miss_total
         resident.stride(0), resident.stride(1), selected.stride(0), selected.stride(1), miss_chunks.stride(0),
         miss_chunks.stride(1), num_miss.stride(0),
-        K=K, K_PAD=triton.next_power_of_2(K), K_MAX=k_max, BLOCK_J=block_j, UPDATE=update,
-        TOTAL=miss_total is not None, num_warps=4)
+        K=K, K_PAD=triton.next_power_of_2(K), K_MAX=k_max, BLOCK_J=block_j, TOTAL=miss_total is not None,
+        num_warps=4)
     return miss_chunks, miss_slots, num_miss

@@ -17,12 +17,6 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
                                             region of pages, in device memory, as host_values and host_scales;
                                             host_table's ids P and up are its pages 0, 1, ...; device_hits (1,)
                                             int32 counts the misses read from it
-  miss_slots None                           the j-th miss goes to slot j: a speculative prefetch filling its staging
-                                            area (value_slots) in selection order
-  staged                                    optional (stage_chunks, stage_count, stage_values, staged_hits): a
-                                            prefetch's lists (as miss_chunks, num_miss) and where it put them
-                                            (N, Hkv, K*C, d); a miss found there is copied from there (device memory)
-                                            instead of the host, and staged_hits (1,) int32 counts those misses
 Work items of (sequence, KV head, MISSES_PER_PROGRAM misses), one per program or, with a capped grid, several;
 items past num_miss do nothing.
 """
@@ -33,14 +27,12 @@ import triton.language as tl
 
 @triton.jit
 def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr,
-                         miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, stage_chunks_ptr, stage_count_ptr, stage_ptr,
-                         staged_hits_ptr, num_items, num_host_pages,
+                         miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, num_items, num_host_pages,
                          stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
-                         stride_on, stride_oh, stride_gn, stride_gh,
+                         stride_on, stride_oh,
                          NUM_HEADS: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
                          PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
-                         FP8: tl.constexpr, IN_ORDER: tl.constexpr, STAGED: tl.constexpr, K_PAD: tl.constexpr,
-                         TIERED: tl.constexpr):
+                         FP8: tl.constexpr, TIERED: tl.constexpr):
     # Work items (sequence, KV head, block of MISSES_PER_PROGRAM misses), taken in turn by the grid's programs: one
     # each with a full grid, several each with a capped (persistent) one.
     ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
@@ -53,32 +45,14 @@ def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits
             miss = blk * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
             r_mask = miss < num_miss
             chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
-            if IN_ORDER:
-                slot_chunk = miss
-            else:
-                slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
+            slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=r_mask, other=0)
             slot = tl.load(slot_ptr + b).to(tl.int64)
-            from_host = r_mask
-            if STAGED:  # where each miss sits in the prefetch's staging area, -1 if it was not prefetched
-                offs_k = tl.arange(0, K_PAD)
-                staged = tl.load(stage_chunks_ptr + b * stride_mb + h * stride_mh + offs_k,
-                                 mask=offs_k < tl.load(stage_count_ptr + b * stride_nb + h), other=-1)
-                misses = blk * MISSES_PER_PROGRAM + tl.arange(0, MISSES_PER_PROGRAM)
-                m_chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + misses, mask=misses < num_miss,
-                                  other=-2)
-                at = tl.max(tl.where(m_chunk[:, None] == staged[None, :], offs_k[None, :], -1), 1)
-                at = tl.reshape(tl.broadcast_to(at[:, None], (MISSES_PER_PROGRAM, CHUNK)), (ROWS,))  # per token row
-                from_stage = r_mask & (at >= 0)
-                from_host = r_mask & (at < 0)
-                src_stage = slot * stride_gn + h * stride_gh + (at * CHUNK + offs_r % CHUNK) * HEAD_DIM
-                stage_vals = tl.load(stage_ptr + src_stage[:, None] + offs_d[None, :], mask=from_stage[:, None])
-                tl.atomic_add(staged_hits_ptr, tl.sum(from_stage.to(tl.int32), 0) // CHUNK)
             token = chunk * CHUNK + offs_r % CHUNK
-            page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=from_host, other=0).to(tl.int64)
-            on_host = from_host
+            page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=r_mask, other=0).to(tl.int64)
+            on_host = r_mask
             if TIERED:  # the device region has the host's layout; a masked-off load moves no bytes
-                on_dev = from_host & (page >= num_host_pages)
-                on_host = from_host & (page < num_host_pages)
+                on_dev = r_mask & (page >= num_host_pages)
+                on_host = r_mask & (page < num_host_pages)
                 dev_page = tl.where(on_dev, page - num_host_pages, 0)
                 tl.atomic_add(dev_hits_ptr, tl.sum(on_dev.to(tl.int32), 0) // CHUNK)
             src = page * stride_hp + (token % PAGE_TOKENS) * stride_ht + h * HEAD_DIM
@@ -95,18 +69,14 @@ def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits
                                                      other=0.0), scale)
                 vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
             vals = vals.to(out_ptr.dtype.element_ty)
-            if STAGED:
-                vals = tl.where(from_stage[:, None], stage_vals, vals)
             dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
             tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals, mask=r_mask[:, None])
 
 
 def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunks: torch.Tensor,
-                 miss_slots: torch.Tensor | None, num_miss: torch.Tensor, slot_ids: torch.Tensor,
+                 miss_slots: torch.Tensor, num_miss: torch.Tensor, slot_ids: torch.Tensor,
                  value_slots: torch.Tensor, chunk_size: int, misses_per_program: int = 4,
-                 host_scales: torch.Tensor | None = None, max_programs: int | None = None,
-                 staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 num_warps: int = 4,
+                 host_scales: torch.Tensor | None = None, max_programs: int | None = None, num_warps: int = 4,
                  device_region: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None) -> None:
     """max_programs caps the grid (programs then loop over the work): fewer multiprocessors wait on PCIe, the others
     stay free for work on other streams. None: one program per (sequence, KV head, block of misses).
@@ -115,19 +85,7 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     N, Hkv_o, KC, d_o = value_slots.shape
     B, _, K = miss_chunks.shape
     assert Hkv_o == Hkv and d_o == d and KC == K * chunk_size and miss_chunks.shape == (B, Hkv, K)
-    in_order = miss_slots is None
-    if in_order:
-        miss_slots = miss_chunks  # not read
     assert miss_slots.shape == miss_chunks.shape
-    if staged is None:
-        stage_chunks, stage_count, stage_values, staged_hits = miss_chunks, num_miss, value_slots, num_miss  # not read
-    else:
-        stage_chunks, stage_count, stage_values, staged_hits = staged
-        assert stage_chunks.shape == miss_chunks.shape and stage_chunks.is_contiguous()
-        assert stage_count.shape == num_miss.shape and stage_count.is_contiguous() and num_miss.is_contiguous()
-        assert stage_values.shape == value_slots.shape and stage_values.dtype == value_slots.dtype
-        assert stage_values.stride()[2:] == (d, 1) and stage_chunks.dtype == stage_count.dtype == torch.int32
-        assert staged_hits.dtype == torch.int32 and staged_hits.numel() == 1
     # On CUDA the host tensor must be pinned or cudaHostRegister-ed: Triton's launcher refuses any other host pointer.
     assert host_values.device.type == "cpu", "host values are read in place from host memory (zero-copy)"
     fp8 = host_scales is not None
@@ -152,6 +110,7 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
     assert value_slots.stride(3) == 1 and value_slots.stride(2) == d
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous() and num_miss.shape == (B, Hkv)
+    assert num_miss.is_contiguous()
     assert host_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
     assert host_table.stride(1) == 1 and host_table.shape[0] == B and slot_ids.shape == (B,)
     blocks = triton.cdiv(K, misses_per_program)
@@ -159,10 +118,9 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
         host_values, host_scales, dev_values, dev_scales, dev_hits, host_table, miss_chunks, miss_slots, num_miss,
-        slot_ids, value_slots, stage_chunks, stage_count, stage_values, staged_hits, num_items, P,
+        slot_ids, value_slots, num_items, P,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
-        value_slots.stride(0), value_slots.stride(1), stage_values.stride(0), stage_values.stride(1),
+        value_slots.stride(0), value_slots.stride(1),
         NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
-        MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, IN_ORDER=in_order, STAGED=staged is not None,
-        K_PAD=triton.next_power_of_2(K), TIERED=device_region is not None, num_warps=num_warps)
+        MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, TIERED=device_region is not None, num_warps=num_warps)

@@ -76,14 +76,6 @@ class KVCache(abc.ABC):
     def attend_end(self, handle) -> torch.Tensor:
         return handle
 
-    def speculates(self, meta: AttentionMetadata) -> bool:
-        """Whether this forward's layers want a speculative query of the layer after them (see speculate)."""
-        return False
-
-    def speculate(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> None:
-        """q (T, Hq, d): `layer`'s query projection of the previous layer's input, handed over while that layer
-        decodes, for a cache to start fetching what `layer` will likely select. A hint: results never depend on it."""
-
     def prepare_forward(self, meta: AttentionMetadata) -> None:
         """Do a forward's host-side bookkeeping now, before its first layer (what its layers share: index tensors
         copied to the device once). Optional: attend does it on first use otherwise."""

@@ -26,10 +26,6 @@ class ShadowKVConfig:
     page_chunks: chunks per page of U rows, landmarks and host values (the unit of allocation).
     value_format: how values are kept on the host: "model" (the model's dtype) or "fp8" (e4m3 with one fp32 scale
         per chunk and KV head: about half the host memory and PCIe bytes, dequantised as they are fetched).
-    prefetch: speculative value prefetch on the kernel path: while layer l decodes, layer l+1's chunks are selected
-        from a speculative query (layer l+1's query projection of layer l's input) and the values it lacks are fetched
-        into a staging area of the slot (two layers of sparse values); layer l+1 then copies its misses found there
-        from the GPU instead of the host. It only moves work: results are the same.
     landmark_format: how landmarks are kept on the GPU: "model" (the model's dtype) or "fp8" (e4m3 with one fp32
         scale per chunk and KV head): half the bytes the per-step scoring reads, and half their GPU memory; the
         selection then ranks chunks by the quantised landmarks.
@@ -48,7 +44,6 @@ class ShadowKVConfig:
     decode_window: int = 512
     page_chunks: int = 16
     value_format: str = "model"
-    prefetch: bool = False
     landmark_format: str = "model"
     device_value_share: float = 0.0
 

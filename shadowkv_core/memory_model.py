@@ -133,13 +133,12 @@ class SeqBytes:
 
 def slot_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
     """One sequence's fixed GPU working set, every layer: key basis SV (Hkv, r, d); resident chunk ids; sparse,
-    outlier and window keys and values; with prefetch, two layers of staged sparse values."""
+    outlier and window keys and values."""
     C, K, O = cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     exact_tokens = K * C + O * C + window_tokens(cfg)
     per_layer = (cfg.rank * g.kv_width + 2 * exact_tokens * g.kv_width) * g.dtype_bytes
     per_layer += K * g.num_kv_heads * INDEX_BYTES
-    staging = 2 * K * C * g.kv_width * g.dtype_bytes if cfg.prefetch else 0
-    return g.num_layers * per_layer + staging
+    return g.num_layers * per_layer
 
 
 def shadow_pages(cfg: ShadowKVConfig, tokens: int) -> int:

@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the eager path's tokens, for the dense cache,
-ShadowKV (bf16 and fp8 host values, whole and pipelined batches, with and without speculative prefetch) and batches that
-mix the two and shrink as requests finish; async decode (EngineConfig.async_decode) gives sync decode's. On CPU: the
+ShadowKV (bf16 and fp8 host values, whole and pipelined batches, with and without a device value share) and batches
+that mix the two and shrink as requests finish; async decode (EngineConfig.async_decode) gives sync decode's. On CPU: the
 keys a graph is looked up by stay put from step to step."""
 import pytest
 import torch
@@ -68,10 +68,8 @@ def test_graph_keys_change_only_at_bucket_edges(tiny_path, shadowkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shadowkv, kwargs", [
     (None, {}), (SHADOW, {}), ({**SHADOW, "value_format": "fp8"}, {}), (SHADOW, {"pipeline_min_batch": 2}),
-    ({**SHADOW, "prefetch": True}, {}),
-    ({**SHADOW, "prefetch": True, "value_format": "fp8"}, {"pipeline_min_batch": 2}),
-], ids=["dense", "shadowkv", "shadowkv-fp8", "shadowkv-pipelined", "shadowkv-prefetch",
-        "shadowkv-fp8-prefetch-pipelined"])
+    ({**SHADOW, "value_format": "fp8", "device_value_share": 0.5}, {"pipeline_min_batch": 2}),
+], ids=["dense", "shadowkv", "shadowkv-fp8", "shadowkv-pipelined", "shadowkv-fp8-tiered-pipelined"])
 def test_graph_decode_gives_the_eager_tokens_gpu(tiny_path, shadowkv, kwargs):
     eager = engine_of(tiny_path, "cuda", shadowkv, cuda_graphs=False, **kwargs)
     want = run(eager)

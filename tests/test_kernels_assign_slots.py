@@ -35,15 +35,9 @@ def _check(num_chunks, Hkv, K, device, steps=3, seed=0):
         expected_res, miss_mask = assign_slots_batched(resident, slot_ids, selected, num_selected)
         exp_chunks, exp_slots, exp_num = miss_lists_batched(expected_res, miss_mask)
         got = resident.clone()  # in/out: the kernel reads the old resident chunks and writes the new ones
-        dry = assign_slots(got, slot_ids, selected, num_selected, update=False)  # a prefetch's: same lists, no write
-        assert torch.equal(got, resident), f"step {step}: update=False wrote the resident chunks"
         miss_chunks, miss_slots, num_miss = assign_slots(got, slot_ids, selected, num_selected, miss_total=total)
         expected_total += int(exp_num.sum())
         assert int(total) == expected_total, f"step {step} miss total"
-        for name, a, b in zip(("miss chunks", "miss slots"), dry[:2], (miss_chunks, miss_slots)):
-            listed_ = torch.arange(K, device=device) < num_miss[..., None]
-            assert torch.equal(torch.where(listed_, a, -1), torch.where(listed_, b, -1)), f"step {step} dry {name}"
-        assert torch.equal(dry[2], num_miss)
         assert_close(num_miss, exp_num, torch.float32, f"step {step} miss counts", tol=(0, 0))
         listed = torch.arange(K, device=device) < exp_num[..., None]
         assert_close(torch.where(listed, miss_chunks, -1), exp_chunks, torch.float32, f"step {step} miss chunks",

@@ -179,9 +179,8 @@ def test_allocate_refuses_when_slots_run_out():
     assert cache.gpu.num_free == 64 - 3
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_footprint_is_what_the_buffers_take(prefetch):
-    config = full_config(outlier_chunks=3, prefetch=prefetch)
+def test_footprint_is_what_the_buffers_take():
+    config = full_config(outlier_chunks=3)
     cache = make_cache(config, max_num_seqs=2, gpu_pages=5, host_pages=7)
     g = mm.Geometry(L, HQ, HKV, D, hidden_size=0, intermediate_size=0, vocab_size=0, dtype_bytes=4)
     gpu_page, host_page, slot = mm.gpu_page_bytes(g, config), mm.host_page_bytes(g, config), mm.slot_bytes(g, config)

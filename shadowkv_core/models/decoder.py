@@ -44,17 +44,8 @@ class Decoder(nn.Module):
         between decode steps, instead of stalling them."""
         seq_lens = self._rope_seq_lens(meta, positions.device) if self.rotary.uses_seq_lens else None
         for i in range(start, end):
-            h = self.layers[i].end(h, self.begin_layer(i, h, positions, seq_lens, cache, meta), cache)
+            h = self.layers[i](h, positions, seq_lens, cache, meta)
         return h
-
-    def begin_layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None,
-                    cache: KVCache, meta: AttentionMetadata):
-        """Layer i begun (DecoderLayer.begin). Meanwhile, for a cache that speculates, layer i+1's speculative query
-        of h: it starts fetching what layer i+1 will likely need while layer i still computes."""
-        handle = self.layers[i].begin(h, positions, seq_lens, cache, meta)
-        if i + 1 < len(self.layers) and cache.speculates(meta):
-            cache.speculate(i + 1, self.layers[i + 1].speculative_query(h, positions, seq_lens), meta)
-        return handle
 
     def forward_halves(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -70,7 +61,7 @@ class Decoder(nn.Module):
         layers = self.layers
 
         def begin(half: int, i: int):
-            return self.begin_layer(i, h[half], pos[half], lens[half], cache, metas[half])
+            return layers[i].begin(h[half], pos[half], lens[half], cache, metas[half])
 
         first = begin(0, 0)
         second = None

@@ -131,14 +131,6 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (t, Hq, d)
         return q if self.q_norm is None else self.q_norm(q)
 
-    def _query(self, q: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
-        return self.rotary.apply(self._query_heads(q), positions, seq_lens)
-
-    def query(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> torch.Tensor:
-        """The query part of the projection alone: (t, Hq, d) post-RoPE."""
-        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[:self.q_size]
-        return self._query(F.linear(x, self.qkv_proj.weight[:self.q_size], bias), positions, seq_lens)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int):
@@ -160,12 +152,6 @@ class DecoderLayer(nn.Module):
         """The layer up to its cache's attention, begun (see KVCache.attend_begin); `end` does the rest."""
         return self.self_attn.begin(chunked(self.input_layernorm, h, self.chunk_tokens), positions, seq_lens, cache,
                                     meta)
-
-    def speculative_query(self, h: torch.Tensor, positions: torch.Tensor,
-                          seq_lens: torch.Tensor | None) -> torch.Tensor:
-        """This layer's query of hidden states h that are not its input yet (the previous layer's input): residual
-        streams change little from one layer to the next, so it approximates the query this layer will make."""
-        return self.self_attn.query(self.input_layernorm(h), positions, seq_lens)
 
     def end(self, h: torch.Tensor, handle, cache: KVCache) -> torch.Tensor:
         attn = self.self_attn.end(handle, cache)

@@ -18,7 +18,7 @@ import triton
 from shadowkv_core.attention import AttentionMetadata, KVCache, kernels_by_default
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import device_value_pages
-from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer, speculate_layer
+from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.layer import decode_layer, prefill_layer
 from shadowkv_core.shadowkv.pages import GpuPages
@@ -32,9 +32,7 @@ class StepCounters:
     selected: int = 0  # (sequence, layer, KV head, chunk) selections
     hits: int = 0
     fetched: int = 0  # chunks rebuilt and fetched (the misses)
-    bytes_fetched: int = 0  # value bytes read from the host: the misses not staged, and the prefetches
-    prefetched: int = 0  # chunks a speculative prefetch fetched (config.prefetch)
-    from_prefetch: int = 0  # misses copied from a prefetch's staging area: off the step's critical path
+    bytes_fetched: int = 0  # value bytes read from the host
     from_device: int = 0  # chunks fetched from the device value region (config.device_value_share), not the host
 
 
@@ -101,7 +99,7 @@ class ShadowKVCache(KVCache):
         # - 8 warps: fp8 values and landmarks, tiered, pipelined at 122K x 31 on an H200, 725-728 tok/s in three
         #   runs against 693-703 in three with 4 warps (8 misses a program: 676; 33 programs: 427-462;
         #   fetch_grid/fp8lm_tier_*, repeats_122k_host.json).
-        few_per_program = config.value_format == "fp8" or config.prefetch or config.device_value_share > 0
+        few_per_program = config.value_format == "fp8" or config.device_value_share > 0
         programs, self.fetch_misses_per_program, self.fetch_warps = (66, 4, 8) if few_per_program else (8, 32, 4)
         self.fetch_programs = programs if self.device.type == "cuda" else None  # None: one program per work item
         self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
@@ -212,15 +210,6 @@ class ShadowKVCache(KVCache):
         out[rows] = end_decode_layer(self, pending)
         return out
 
-    def speculates(self, meta: AttentionMetadata) -> bool:
-        return self.config.prefetch and self._decodes_fast(meta, self._split_batch(meta))
-
-    def speculate(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> None:
-        split = self._split_batch(meta)
-        plan = self._plan(split)
-        if plan.k_max:
-            speculate_layer(self, layer, plan, q[split.shadow_tokens])
-
     def _decodes_fast(self, meta: AttentionMetadata, split: BatchSplit) -> bool:
         """Whether the forward's shadow sequences decode on the kernels (else: prefill, or the reference path)."""
         return not meta.is_prefill and bool(split.shadow) and self.use_kernels and self.chunk_scorer is None
@@ -329,7 +318,7 @@ class ShadowKVCache(KVCache):
         Hkv = self.slots.sparse_v.shape[2]
         selected = sum(max(min(self.config.budget_chunks, st.num_shadow - st.num_outliers), 0)
                        for st, _, _ in split.shadow) * Hkv * self.num_layers
-        counts = torch.stack([torch.cat([p.misses, p.prefetched, p.staged_hits, p.device_hits]) for p in self._plans])
+        counts = torch.stack([torch.cat([p.misses, p.device_hits]) for p in self._plans])
         self._step_counts = selected, Readback(counts.sum(0))
 
     @property
@@ -343,10 +332,9 @@ class ShadowKVCache(KVCache):
         while self._unread and (self._unread[0][1] is None or self._unread[0][1].ready()):
             counters, readback = self._unread.popleft()
             if readback is not None:
-                fetched, prefetched, from_prefetch, from_device = readback.tolist()
-                host_bytes = (fetched - from_prefetch + prefetched - from_device) * self.host.fetch_bytes()
-                counters = StepCounters(counters, counters - fetched, fetched, host_bytes, prefetched, from_prefetch,
-                                        from_device)
+                fetched, from_device = readback.tolist()
+                host_bytes = (fetched - from_device) * self.host.fetch_bytes()
+                counters = StepCounters(counters, counters - fetched, fetched, host_bytes, from_device)
             self._last_step = counters
 
     def _fold(self, st: SequenceState) -> None:
@@ -374,8 +362,6 @@ class ShadowKVCache(KVCache):
             "hit_rate": last.hits / last.selected if last.selected else 0.0,
             "chunks_fetched": last.fetched,
             "bytes_fetched": last.bytes_fetched,
-            "chunks_prefetched": last.prefetched,
-            "chunks_from_prefetch": last.from_prefetch,
             "chunks_from_device": last.from_device,
             "gpu_bytes_in_use": (self.gpu.bytes_in_use + self.slots.bytes_in_use + self.host.device_pages.bytes_in_use
                                  + dense["gpu_bytes_in_use"]),

@@ -3,15 +3,13 @@ the same order and with the same results, as kernels (kernels/), with the key re
 streams joined by events, and no host sync inside a layer or between layers.
 
 The cache builds a DecodePlan once per decode forward (the per-sequence bookkeeping copied to the device once, shared
-by every layer) and calls `decode_layer_fast` per layer instead of `decode_layer` per sequence.
-With config.prefetch the decoder hands each layer a speculative query of the next (speculate_layer): the next layer's
-likely misses start moving over PCIe while this layer computes, and its own fetch copies those it finds staged.
+by every layer) and calls `begin_decode_layer` / `end_decode_layer` per layer instead of `decode_layer` per sequence.
 RoPE frequencies are taken per sequence at its prompt length (exact for every rope type whose frequencies do not
 depend on the sequence length, and for longrope once the prompt is past the original context).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,11 +44,8 @@ class DecodePlan:
     max_len: int
     streams: tuple | None  # (value fetch, key rebuild) on CUDA
     misses: torch.Tensor  # (1,) int32 chunks fetched this forward, summed over layers (read once, after the step)
-    prefetched: torch.Tensor  # (1,) int32 chunks a speculative prefetch fetched (config.prefetch)
-    staged_hits: torch.Tensor  # (1,) int32 misses copied from a prefetch's staging area instead of the host
     device_hits: torch.Tensor  # (1,) int32 chunks fetched from the device value region (device_value_share)
     buffers: list[torch.Tensor]  # the device tensors built for the plan: every tensor above is one or a view of one
-    staged: dict = field(default_factory=dict)  # layer -> its prefetch's lists (chunks, count), until it selects
 
     @staticmethod
     def build(cache, states: list[SequenceState]) -> DecodePlan:
@@ -72,14 +67,14 @@ class DecodePlan:
         max_keys = max(st.num_outliers * C + k * C + w for st, k, w in zip(states, selected, window))
         inv_freq = inv_freq.expand(len(states), -1).contiguous()
         tables = cache.page_tables(states)
-        counters = torch.zeros(4, 1, dtype=torch.int32, device=dev)
+        counters = torch.zeros(2, 1, dtype=torch.int32, device=dev)
         return DecodePlan(
             slot_ids=small[0], gpu_table=tables[0], host_table=tables[1], num_chunks=small[1], num_selected=small[2],
             lens=[small[3], small[4], small[5]], token_page=ints[6], token_row=ints[7], window_pos=ints[8],
             inv_freq=inv_freq,
             n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys), streams=cache.streams,
-            misses=counters[0], prefetched=counters[1], staged_hits=counters[2], device_hits=counters[3],
+            misses=counters[0], device_hits=counters[1],
             buffers=[ints, small, tables, inv_freq, counters])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -101,13 +96,7 @@ class PendingLayer:
     plan: DecodePlan
     q: torch.Tensor
     done: list  # CUDA events of the side streams' work; empty on CPU (done in order)
-    misses: tuple | None  # the lists the side streams read (misses, staged): held until the current stream waits
-
-
-def decode_layer_fast(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
-    """q (B, Hq, d); k_pre, k_rot, v (B, Hkv, d) of the batch's new tokens -> attention output (B, Hq, d)."""
-    return end_decode_layer(cache, begin_decode_layer(cache, layer, plan, q, k_pre, k_rot, v))
+    misses: tuple | None  # the lists the side streams read: held until the current stream waits on them
 
 
 def begin_decode_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_pre: torch.Tensor,
@@ -144,41 +133,25 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
 
 
 def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:
-    """Select, update the resident chunks, then queue the misses' key rebuild (stream A) and value fetch (stream B),
-    which copies the misses a prefetch staged from the GPU. -> the lists the side streams read and their events
-    (see on_two_streams)."""
+    """Select, update the resident chunks, then queue the misses' key rebuild (stream A) and value fetch (stream B).
+    -> the lists the side streams read and their events (see on_two_streams)."""
     slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
                           miss_total=plan.misses)
-    staged = plan.staged.pop(layer, None)
-    from_stage = None if staged is None else (*staged, slots.stage_v[:, layer % 2], plan.staged_hits)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
     done = on_two_streams(plan.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
-                   lambda: fetch_into(cache, layer, plan, misses, slots.sparse_v[:, layer], from_stage))
-    return (misses, staged), done
+                   lambda: fetch_into(cache, layer, plan, misses, slots.sparse_v[:, layer]))
+    return misses, done
 
 
-def speculate_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> None:
-    """Speculative value prefetch for `layer`, while the layer before it decodes: select with a speculative query q
-    (B, Hq, d), and fetch the selected chunks that are not resident into the staging area (slots.stage_v, this
-    layer's half) on the value-fetch stream, after the misses already queued there. The layer's own selection then
-    copies the misses it finds staged (select_and_load)."""
-    selected = select(cache, layer, plan, q)
-    chunks, _, count = assign_slots(cache.slots.resident[:, layer], plan.slot_ids, selected, plan.num_selected,
-                                    update=False, miss_total=plan.prefetched)
-    plan.staged[layer] = (chunks, count)
-    on_stream(None if plan.streams is None else plan.streams[1],
-              lambda: fetch_into(cache, layer, plan, (chunks, None, count), cache.slots.stage_v[:, layer % 2]))
-
-
-def fetch_into(cache, layer: int, plan: DecodePlan, misses: tuple, dest: torch.Tensor, staged: tuple | None = None):
-    """fetch_values of a layer's miss lists (chunks, slots or None, count) into dest, with the cache's grid."""
+def fetch_into(cache, layer: int, plan: DecodePlan, misses: tuple, dest: torch.Tensor):
+    """fetch_values of a layer's miss lists (chunks, slots, count) into dest, with the cache's grid."""
     region = cache.host.device_region(layer)
     fetch_values(cache.host.values[layer], plan.host_table, *misses, plan.slot_ids, dest, cache.config.chunk_size,
                  misses_per_program=cache.fetch_misses_per_program, host_scales=cache.host.scales_of(layer),
-                 max_programs=cache.fetch_programs, staged=staged, num_warps=cache.fetch_warps,
+                 max_programs=cache.fetch_programs, num_warps=cache.fetch_warps,
                  device_region=None if region is None else (*region, plan.device_hits))
 
 

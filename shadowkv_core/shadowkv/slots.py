@@ -34,8 +34,7 @@ class Slots:
 
     sv (N, L, Hkv, r, d): each sequence's key basis; resident (N, L, Hkv, K): chunk id in each sparse slot, -1 empty;
     sparse_k/v (N, L, Hkv, K*C, d); outlier_k/v (N, L, Hkv, O*C, d);
-    window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window; with config.prefetch, stage_v
-    (N, 2, Hkv, K*C, d): the values a speculative prefetch brought for the next layer (two layers in turn)."""
+    window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window."""
 
     sv: torch.Tensor
     resident: torch.Tensor
@@ -45,7 +44,6 @@ class Slots:
     outlier_v: torch.Tensor
     window_k: torch.Tensor
     window_v: torch.Tensor
-    stage_v: torch.Tensor
 
     def __init__(self, max_num_seqs: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  config: ShadowKVConfig, dtype: torch.dtype, device: torch.device | str):
@@ -64,16 +62,13 @@ class Slots:
         L, Hkv, d, C = num_layers, num_kv_heads, head_dim, config.chunk_size
         K, O = config.budget_chunks, config.outlier_chunks
         E = config.local_chunks * C + config.decode_window
-        specs = {
+        return {
             "sv": ((L, Hkv, config.rank, d), dtype),
             "resident": ((L, Hkv, K), torch.int64),
             "sparse_k": ((L, Hkv, K * C, d), dtype), "sparse_v": ((L, Hkv, K * C, d), dtype),
             "outlier_k": ((L, Hkv, O * C, d), dtype), "outlier_v": ((L, Hkv, O * C, d), dtype),
             "window_k": ((L, E, Hkv, d), dtype), "window_v": ((L, E, Hkv, d), dtype),
         }
-        if config.prefetch:
-            specs["stage_v"] = ((2, Hkv, K * C, d), dtype)
-        return specs
 
     @property
     def num_slots(self) -> int:
