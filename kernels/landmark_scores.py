@@ -14,9 +14,8 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNK
 Two launches: the first writes each block's logits (B, Hq, n_max) and its softmax partials (max, sum of exp) per
 query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
 landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
-Outliers are flagged on the pages beside their landmarks: comparing each chunk with a list of its sequence's outlier
-ids instead took a quarter to a third of the kernel's time (H200, 122K x 13: 0.174 -> 0.127 ms bf16, 0.181 -> 0.110
-fp8, without it; benchmarks/results/scoring_variants.json).
+Outliers are flagged on the pages beside their landmarks: one byte read beside each landmark is cheaper than comparing
+every chunk with a list of its sequence's outlier ids (docs/benchmarks.md has the measurement).
 """
 import torch
 import triton
@@ -94,8 +93,8 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, stride_lb, st
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor,
                     outlier_flags: torch.Tensor, n_max: int, scale: float, block_n: int = 128, num_warps: int = 4,
                     landmark_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size).
-    block_n x num_warps: 128 x 4, the fastest on an H200 at 122K x 16 (bf16 and fp8 landmarks; kernel_scores.json)."""
+    """-> scores (B, Hkv, n_max) fp32. n_max >= max(num_chunks) (a bucket: it is a compile-time size). The default
+    block_n x num_warps is the fastest measured on Hopper (`python -m benchmarks.kernels --scores-only`)."""
     B, Hq, d = q.shape
     P, page_chunks, Hkv, d_lm = landmarks.shape
     assert d_lm == d and Hq % Hkv == 0 and d == triton.next_power_of_2(d), (q.shape, landmarks.shape)

@@ -1,10 +1,9 @@
 """Load shedding at the edge: Serve's HTTP proxy answers a completion request with 429 before forwarding it, when the
 service already holds as many requests as it can (every replica's slots plus the ingress's waiting line).
 
-Why: each request the proxy forwards costs it ~13 ms (receive, hand to the ingress over Ray), one after another, so in
-a burst of long requests the excess reached the ingress's fast refusal only after every request ahead of it (1.4 s
-for 24 excess requests behind 80 others of 232 KB on two H200s: docs/benchmarks.md). Refused here, a request never
-leaves the proxy.
+Why: the proxy forwards requests one after another (receive, hand to the ingress over Ray), so in a burst of long
+requests the excess reached the ingress's fast refusal only after every request ahead of it (docs/benchmarks.md,
+the service's overload). Refused here, a request never leaves the proxy.
 
 How: Ray Serve builds its proxy's ASGI stack with the Starlette middlewares returned by the function that the
 environment variable RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH names (EDGE_ENV: scripts/serve.sh, the Docker image
@@ -16,13 +15,11 @@ proxy counts its own requests, so several proxies together may still forward mor
 At capacity a malformed request is answered 429 here, not 400: the proxy does not read bodies. Its 429s carry
 SHED_HEADER: edge, so that a client or benchmark can tell them from the ingress's.
 
-Latency in a burst: the shed request is answered within ~1 ms of reaching this middleware, and its unread body does not
+Latency in a burst: the shed request is answered as soon as it reaches this middleware, and its unread body does not
 hold the answer back (uvicorn discards the rest of a body once the response is complete). It reaches the middleware
-when the proxy has taken in the requests sent before it (~0.6-1 ms each on the 2-core CPU machine: a burst of 88 of
-232 KB, the excess sent last, was answered 50-90 ms after being sent; benchmarks/edge_shedding.py --burst). A client
-that sends a burst through ONE httpx AsyncClient measures its own connection pool instead: it issues the requests one
-after another, slower as more are pending (104 at once: the last leaves ~3.7 s after the first, against a server that
-answers nothing), and the shed ones, sent last, seem to take seconds.
+when the proxy has taken in the requests sent before it (docs/benchmarks.md has the timings). A client that sends a
+burst through ONE httpx AsyncClient measures its own connection pool instead: it issues the requests one after
+another, slower as more are pending, and the shed ones, sent last, seem to take seconds.
 """
 from __future__ import annotations
 

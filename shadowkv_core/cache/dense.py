@@ -1,0 +1,162 @@
+"""Dense paged KV cache: post-RoPE keys and values of every token, in fixed-size blocks addressed through a
+per-sequence block table (the vLLM layout). Used for full attention and for sequences too short for ShadowKV."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernels.decode_attention import decode_attention
+
+from ..attention import attention_ref, prefill_attention_ref
+from ..transfers import to_device
+from .allocator import BlockAllocator
+from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
+
+
+class DenseManager(CacheManager):
+    """Each sequence's block table and cached length."""
+
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int):
+        self.block_size = block_size
+        self.blocks = BlockAllocator(num_blocks, block_bytes, f"KV blocks of {block_size} tokens")
+        self.block_tables: dict[int, list[int]] = {}
+        self.table_tensors: dict[int, torch.Tensor] = {}  # (blocks,) int32 on the host, for the decode plan
+        self.lengths: dict[int, int] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_free
+
+    def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_blocks
+
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        return self.blocks_needed(prompt_len + max_new_tokens) * self.blocks.unit_bytes, 0
+
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already holds cache blocks")
+        self.block_tables[seq_id] = self.blocks.alloc(self.blocks_needed(prompt_len + max_new_tokens))
+        self.table_tensors[seq_id] = torch.tensor(self.block_tables[seq_id], dtype=torch.int32)
+        self.lengths[seq_id] = 0
+
+    def free(self, seq_id: int) -> None:
+        self.blocks.free(self.block_tables.pop(seq_id))
+        del self.lengths[seq_id], self.table_tensors[seq_id]
+
+    def advance(self, seq_ids: list[int], num_tokens: list[int]) -> None:
+        for seq_id, n in zip(seq_ids, num_tokens):
+            self.lengths[seq_id] += n
+
+    def token_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Row indices into the flattened pool of the sequence's tokens [start, end), on the host."""
+        first = start // self.block_size  # only the blocks these tokens occupy: a decode token's one block
+        table = torch.tensor(self.block_tables[seq_id][first:-(-end // self.block_size)], dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size - first] * self.block_size + pos % self.block_size
+
+    def usage(self) -> dict[str, int]:
+        return {"num_seqs": len(self.block_tables), "gpu_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
+                "gpu_bytes_in_use": self.blocks.bytes_in_use, "gpu_bytes_total": self.blocks.bytes_total,
+                "host_bytes_in_use": 0, "host_bytes_total": 0}
+
+
+class DenseKVCache(KVCache):
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int):
+        self.spec = spec
+        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)  # blocks as token rows
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        self.manager = DenseManager(num_blocks, block_size, block_bytes)
+        self._forward_state: dict[tuple[str, int], tuple[AttentionMetadata, object]] = {}  # see _per_forward
+
+    def _rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        return to_device(self.manager.token_rows(seq_id, start, end), torch.int64, self.k.device)
+
+    def _per_forward(self, meta: AttentionMetadata, key: str, build):
+        """What every layer of a forward shares, built once per metadata object (a pipelined forward has one per
+        half). Held with the object, not by its id alone: a forward that failed never reached finish_forward, and a
+        new object may reuse a freed one's id."""
+        held = self._forward_state.get((key, id(meta)))
+        if held is None or held[0] is not meta:
+            held = self._forward_state[key, id(meta)] = (meta, build())
+        return held[1]
+
+    def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
+        rows = self.manager.token_rows
+        return self._per_forward(meta, "rows", lambda: to_device(torch.cat(
+            [rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]),
+            torch.int64, self.k.device))
+
+    def attend(self, layer, q, k_pre, k_rot, v, meta):
+        rows = self._write_rows(meta)
+        self.k[layer, rows] = k_rot
+        self.v[layer, rows] = v
+        if self.spec.kernels and not meta.is_prefill:
+            return self._decode_fast(layer, q, meta)
+        out = torch.empty_like(q)
+        scale = self.spec.scale
+        for start, n, seq_id, ctx in zip(meta.query_starts, meta.query_lens, meta.seq_ids, meta.context_lens):
+            q_i = q[start:start + n]  # (n, Hq, d)
+            if ctx == 0:
+                out[start:start + n] = prefill_attention_ref(q_i, k_rot[start:start + n], v[start:start + n], scale,
+                                                             self.spec.prefill_chunk_tokens)
+                continue
+            seq_rows = self._rows(seq_id, 0, ctx + n)
+            out[start:start + n] = attention_ref(q_i, self.k[layer, seq_rows], self.v[layer, seq_rows], scale,
+                                                 causal=True)
+        return out
+
+    def _decode_plan(self, meta: AttentionMetadata):
+        """(block table (B, blocks), key counts (B,), slot ids (B,), max_len) of a decode forward, on the device. The
+        table's width and max_len are rounded up to powers of two (the kernel's own length bucket): the shapes a
+        captured CUDA graph is keyed on then change rarely, not every step."""
+        def plan():
+            tables = [self.manager.table_tensors[s] for s in meta.seq_ids]
+            table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+            table = F.pad(table, (0, triton.next_power_of_2(table.shape[1]) - table.shape[1]))
+            dev = self.k.device
+            return (to_device(table, torch.int32, dev), to_device([c + 1 for c in meta.context_lens], torch.int32, dev),
+                    torch.zeros(len(meta.seq_ids), dtype=torch.int32, device=dev),
+                    triton.next_power_of_2(max(meta.context_lens) + 1))
+
+        return self._per_forward(meta, "decode_plan", plan)
+
+    def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
+        table, lens, slots, max_len = self._decode_plan(meta)
+        pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
+        return decode_attention(q.contiguous(), [pool], slots, self.spec.scale, max_len, page_table=table,
+                                page_size=self.manager.block_size)
+
+    def _graphable(self, meta: AttentionMetadata) -> bool:
+        return self.spec.kernels and not meta.is_prefill
+
+    def prepare_forward(self, meta: AttentionMetadata) -> None:
+        self._write_rows(meta)
+        if self._graphable(meta):
+            self._decode_plan(meta)
+
+    def graph_inputs(self, meta: AttentionMetadata):
+        if not self._graphable(meta):
+            return None
+        table, lens, slots, max_len = self._decode_plan(meta)
+        return ("dense", max_len), [self._write_rows(meta), table, lens, slots]
+
+    def finish_forward(self, meta):
+        self.manager.advance(meta.seq_ids, meta.query_lens)
+        self._forward_state.clear()
+
+    def copy_sequence(self, src: int, dst: int) -> None:
+        length = self.manager.lengths[src]
+        rows_src, rows_dst = self._rows(src, 0, length), self._rows(dst, 0, length)
+        for layer in range(self.k.shape[0]):  # one layer at a time: no whole-cache temporary
+            self.k[layer, rows_dst] = self.k[layer, rows_src]
+            self.v[layer, rows_dst] = self.v[layer, rows_src]
+        self.manager.lengths[dst] = length
