@@ -64,7 +64,8 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=16,
               gpu_cache_gib=2, host_cache_gib=2, use_kernels=False)
     scorer = QuestScorer() if method == "quest" else None
-    llm.engine.cache.chunk_scorer = scorer
+    if config is not None:
+        llm.engine.cache.shadow.chunk_scorer = scorer
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     for i, sample in enumerate(samples):
         llm.engine.add_request(f"{i}", sample.prompt_ids, params)
@@ -73,7 +74,7 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
         for out in llm.engine.step():
             if out.finished:
                 texts[int(out.request_id)] = out.text
-        if config is not None and llm.engine.cache.last_step.selected:
+        if config is not None and llm.engine.cache.shadow.counts.last.selected:
             hit_rates.append(llm.engine.cache.stats()["hit_rate"])
     if scorer is not None and not scorer.bounds:
         raise RuntimeError("the Quest scorer was never called: this cache path ignores chunk_scorer")

@@ -27,7 +27,7 @@ from benchmarks.accuracy import RANK_SHARE, device_name, shadowkv_config
 from benchmarks.longctx_data import BOS, TASKS, load_corpus, make_sample
 from benchmarks.train_small_model import KeyCapture, key_tail
 from shadowkv_core import LLM
-from shadowkv_core.attention import AttentionMetadata
+from shadowkv_core.cache.base import AttentionMetadata
 
 
 def held_out_tokens(seed: int, length: int) -> list[int]:
@@ -54,7 +54,7 @@ def teacher_forced(llm: LLM, prompt: list[int], forced: list[int]) -> dict[str, 
         return out
 
     cache.attend_begin, cache.attend_end = recording_begin, recording_end
-    cache.allocate(seq_id, len(prompt), len(forced) + 1)
+    cache.manager.allocate(seq_id, len(prompt), len(forced) + 1)
     P = len(prompt)
     meta = AttentionMetadata(True, [seq_id], [P], [0], torch.arange(P, device=device))
     model(torch.tensor(prompt, device=device), meta.positions, cache, meta)
@@ -68,7 +68,7 @@ def teacher_forced(llm: LLM, prompt: list[int], forced: list[int]) -> dict[str, 
         steps["attn"].append(torch.stack([outputs[i] for i in range(len(outputs))]).cpu())  # (L, Hq*d)
         steps["hit_rate"].append(cache.stats().get("hit_rate", 1.0))
     del cache.attend_begin, cache.attend_end  # the class's methods again
-    cache.free(seq_id)
+    cache.manager.free(seq_id)
     return steps
 
 

@@ -41,7 +41,8 @@ def write_config(config: dict) -> str:
 
 TINY = {**LLAMA_31_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "torch_dtype": "float32"}
-TINY_SHADOWKV = ShadowKVConfig(rank=16, sparse_budget=128, outlier_chunks=4, min_context=256, decode_window=32)
+TINY_SHADOWKV = ShadowKVConfig(rank=16, sparse_budget=128, outlier_chunks=4, min_context=256, decode_window=32,
+                               device_value_share=0.0)
 
 
 def non_torch_gpu_bytes() -> int:
@@ -74,7 +75,7 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
         holding = [engine.requests.get(f"r{i}") for i in range(batch)]
         if all(seq is not None and seq.status.value != "waiting" for seq in holding):  # the whole batch admitted
             extra = engine.requests[f"r{batch}"]
-            refusals.append(extra.status.value == "waiting" and not engine.cache.can_allocate(context, max_new))
+            refusals.append(extra.status.value == "waiting" and not engine.cache.manager.can_allocate(context, max_new))
     refused = bool(refusals) and all(refusals)
     predicted_gpu = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens, batch) + gpu_budget
     row = {"device": torch.cuda.get_device_name() if cuda else "cpu", "context": context, "batch": batch,
@@ -129,7 +130,7 @@ def main() -> None:
     model = write_config(TINY if args.tiny else LLAMA_31_8B)
     cuda = args.device == "cuda"
     g = mm.Geometry.from_spec(_spec(model), torch.bfloat16 if cuda else torch.float32)
-    cfg = TINY_SHADOWKV if args.tiny else ShadowKVConfig()
+    cfg = TINY_SHADOWKV if args.tiny else ShadowKVConfig(device_value_share=0.0)
     total = torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB
     host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
     numa_log = capture_log("shadowkv_core.numa")

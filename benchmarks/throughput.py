@@ -40,8 +40,6 @@ from benchmarks.perf_model import ceilings, dense_floor_s, infinite_memory_tok_s
 from benchmarks.report import RESULTS, print_table, write_json
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
-from shadowkv_core.engine.sequence import SequenceStatus
-from shadowkv_core.shadowkv.cache import ShadowKVCache
 
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
@@ -79,10 +77,10 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     shadow = {"dense": None, "hf": None, "hf_static": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
               "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
-    if tiered:
-        shadow = dataclasses.replace(shadow, device_value_share=tier_share)
+    if shadow is not None:
+        shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
-                    "pipeline_min_batch": 2, "async_decode": False if sync else None}
+                    "pipeline_min_batch": 2, "async_decode": False if sync else "auto"}
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
@@ -127,41 +125,6 @@ def prefill(engine: LLMEngine, prompt: list[int], max_new: int, device: str, tem
         engine.step()
     sync(device)
     return time.perf_counter() - start
-
-
-def clone_request(engine: LLMEngine, src_id: str, request_id: str) -> None:
-    """A new running request holding a copy of `src_id`'s prompt, tokens and cache state (no prefill)."""
-    engine.drain_in_flight()  # the source's tokens as its cache holds them
-    src = engine.requests[src_id]
-    engine.add_request(request_id, src.prompt_token_ids, src.params)
-    seq = engine.requests[request_id]
-    engine.scheduler.waiting.remove(seq)
-    engine.cache.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
-    copy_cache_state(engine.cache, src.seq_id, seq.seq_id)
-    seq.output_token_ids = list(src.output_token_ids)
-    seq.status = SequenceStatus.RUNNING
-    engine.scheduler.running.append(seq)
-
-
-def copy_cache_state(cache, src: int, dst: int) -> None:
-    """Everything the cache holds for sequence `src`, into `dst` (allocated for the same shape)."""
-    if isinstance(cache, ShadowKVCache) and src in cache.seqs:
-        a, b = cache.seqs[src], cache.seqs[dst]
-        for buf in cache.slots.buffers:  # (slots, ...)
-            buf[b.slot] = buf[a.slot]
-        for pa, pb in zip(a.gpu_pages, b.gpu_pages):
-            for buf in cache.gpu.buffers:  # (L, pages, ...)
-                buf[:, pb] = buf[:, pa]
-        for pa, pb in zip(a.host_pages, b.host_pages):
-            cache.host.copy_page(pa, pb)
-        b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers
-        return
-    dense = cache.dense if isinstance(cache, ShadowKVCache) else cache
-    rows_a, rows_b = (dense.token_rows(s, 0, dense.lengths[src]) for s in (src, dst))
-    for layer in range(dense.k.shape[0]):  # one layer at a time: no whole-cache temporary
-        dense.k[layer, rows_b] = dense.k[layer, rows_a]
-        dense.v[layer, rows_b] = dense.v[layer, rows_a]
-    dense.lengths[dst] = dense.lengths[src]
 
 
 def time_decode(engine: LLMEngine, steps: int, warmup: int) -> tuple[list[float], list[dict]]:
@@ -225,7 +188,7 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
         rows = []
         for batch in batches:
             while len(engine.requests) < batch:
-                clone_request(engine, "r0", f"r{len(engine.requests)}")
+                engine.fork("r0", f"r{len(engine.requests)}")
             times, stats = time_decode(engine, args.steps, args.warmup_steps)
             hit = sum(s.get("hit_rate", 1.0) for s in stats) / len(stats) if cfg is not None else None
             floor = (dense_floor_s(g, context, batch, run["copy_bps"]) if cfg is None else
@@ -450,8 +413,13 @@ def tier_share_for(g: mm.Geometry, method: str, cfg: ShadowKVConfig, gpu: int, h
     methods)."""
     if "_tiered" not in method:
         return 0.0
-    return given if given is not None else mm.best_device_value_share(g, method_setup(method, cfg)[0], gpu, host,
-                                                                       context, max_new)
+    if given is not None:
+        return given
+
+    def held(c: ShadowKVConfig) -> int:
+        return mm.capacity(g, c, gpu, host, [context], max_new)
+
+    return mm.best_device_value_share(method_setup(method, cfg)[0], held)
 
 
 def main(argv: list[str] | None = None) -> dict:

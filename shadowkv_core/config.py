@@ -7,11 +7,22 @@ import torch
 
 VALUE_FORMATS = ("model", "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO = "auto"  # an option left to what the device and the memory model make best; a value overrides it
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _require_auto_or(name: str, value, kinds: tuple[type, ...], what: str, check=lambda v: True) -> None:
+    typed = isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+    _require(value == AUTO or (typed and check(value)), f"{name} must be 'auto' or {what}, got {value!r}")
+
+
+def choose(value, default):
+    """An option's value: `default` (what this device does best) where it reads "auto", else the value given."""
+    return default if value == AUTO else value
 
 
 @dataclass(frozen=True)
@@ -30,9 +41,9 @@ class ShadowKVConfig:
         scale per chunk and KV head): half the bytes the per-step scoring reads, and half their GPU memory; the
         selection then ranks chunks by the quantised landmarks.
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
-        first pages, rounded down to whole pages): a hit there costs no PCIe. For a replica whose batch the host
-        memory bounds while device memory is left over (memory_model.best_device_value_share); 0 keeps every value
-        on the host, as the paper. Results are the same wherever a value lies.
+        first pages, rounded down to whole pages): a hit there costs no PCIe. "auto": the share under which the
+        replica's pools hold the most sequences of max_model_len tokens (memory_model.best_device_value_share), on
+        CUDA; 0 elsewhere. 0 keeps every value on the host, as the paper. Results are the same wherever a value lies.
     """
 
     rank: int = 160
@@ -45,7 +56,7 @@ class ShadowKVConfig:
     page_chunks: int = 16
     value_format: str = "model"
     landmark_format: str = "model"
-    device_value_share: float = 0.0
+    device_value_share: float | str = AUTO
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
@@ -58,8 +69,8 @@ class ShadowKVConfig:
         _require(self.local_chunks >= 1, f"local_chunks must be >= 1, got {self.local_chunks}")
         _require(self.page_chunks >= 1, f"page_chunks must be >= 1, got {self.page_chunks}")
         _require(self.min_context >= 0, f"min_context must be >= 0, got {self.min_context}")
-        _require(0.0 <= self.device_value_share <= 1.0,
-                 f"device_value_share must be in [0, 1], got {self.device_value_share}")
+        _require_auto_or("device_value_share", self.device_value_share, (int, float), "a number in [0, 1]",
+                         lambda v: 0.0 <= v <= 1.0)
         _require(self.landmark_format in VALUE_FORMATS,
                  f"landmark_format must be one of {VALUE_FORMATS}, got {self.landmark_format!r}")
         _require(self.value_format in VALUE_FORMATS,
@@ -99,20 +110,20 @@ class EngineConfig:
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
-    use_kernels: decode on the Triton kernels (dense paged and ShadowKV); None: on CUDA yes, elsewhere the PyTorch
-        reference.
+    The options below change speed, never results; each reads "auto" (what the device does best) unless a test or
+    a benchmark overrides it.
+    use_kernels: decode on the Triton kernels (dense paged and ShadowKV); auto: on CUDA, for heads the kernels take
+        (elsewhere the PyTorch reference).
     pipeline_decode: decode a batch of `pipeline_min_batch` or more in halves pipelined layer by layer
         (Decoder.forward_halves), so that one half's host value fetch runs under the other half's compute; ShadowKV
-        only. It reads the weights twice per step, so it pays once the fetch is long enough to hide: measured on an
-        H200 at 122K (benchmarks/results/throughput.json, CUDA graphs) even at batch 6, 9 % faster at 8 and 21 % at 13
-        with values in the model's dtype; with fp8 values (half the bytes) 26 % slower at 8, even at 16, 11 % faster
-        at 26. None: on CUDA only (elsewhere there are no side streams for a half's fetch to run on).
-    pipeline_min_batch: None picks those break-even points: 8, or 16 with fp8 values.
-    cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py);
-        the same tokens as eager, without the per-kernel launch cost.
+        only. It reads the weights twice per step, so it pays once the fetch is long enough to hide. auto: on CUDA
+        (elsewhere there are no side streams for a half's fetch to run on).
+    pipeline_min_batch: auto takes the measured break-even batch (docs/benchmarks.md): 8, or 16 with fp8 values.
+    cuda_graphs: replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py): the same
+        tokens as eager, without the per-kernel launch cost. auto: on CUDA.
     async_decode: launch each decode step before reading the one before it back (LLMEngine.step), so that the host's
         work of a step (bookkeeping, graph launch, read back) runs while the device computes the step before it; the
-        same tokens (sampling runs on the device: engine/sampler.py), each reported one step later. None: on CUDA only
+        same tokens (sampling runs on the device: engine/sampler.py), each reported one step later. auto: on CUDA
         (elsewhere the host computes the step itself).
     """
 
@@ -131,11 +142,11 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     load_format: str = "auto"
-    use_kernels: bool | None = None
-    pipeline_decode: bool | None = None
-    pipeline_min_batch: int | None = None
-    cuda_graphs: bool = True
-    async_decode: bool | None = None
+    use_kernels: bool | str = AUTO
+    pipeline_decode: bool | str = AUTO
+    pipeline_min_batch: int | str = AUTO
+    cuda_graphs: bool | str = AUTO
+    async_decode: bool | str = AUTO
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")
@@ -152,8 +163,10 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"),
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.pipeline_min_batch is None or self.pipeline_min_batch >= 2,
-                 f"pipeline_min_batch must be >= 2 (two halves), got {self.pipeline_min_batch}")
+        _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
+                         lambda v: v >= 2)
+        for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode"):
+            _require_auto_or(name, getattr(self, name), (bool,), "true or false")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be > 0, got {value}")
@@ -164,6 +177,7 @@ class EngineConfig:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         return torch.float32 if torch.device(self.device).type == "cpu" else None
+
 
 PRESETS = {
     "paper": ShadowKVConfig(),  # Llama-3.1-8B at 1.56 % of 128K, the paper's setting

@@ -1,7 +1,7 @@
 """Memory model: the bytes a sequence holds on the GPU and on the host, the fixed cost of a replica, and from them
 the batch a replica can hold. Pure functions of the model geometry and the configs: no GPU needed.
 
-The same formulas size the engine's pools (engine/cache_factory.py), so what the router admits is what the engine
+The same formulas size the engine's pools (cache/build.py), so what the router admits is what the engine
 allocates. Per sequence, ShadowKV holds a slot (sparse buffer, outliers, local + generated window, its key basis)
 and pages of U rows + landmarks on the GPU, and pages of values on the host; a dense sequence holds K/V blocks.
 
@@ -13,12 +13,13 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import VALUE_FORMATS, ShadowKVConfig
+from .config import AUTO, VALUE_FORMATS, ShadowKVConfig
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
 FP8_SCALE_BYTES = 4  # fp32 scale of one chunk of one KV head's fp8 values
@@ -147,6 +148,9 @@ def shadow_pages(cfg: ShadowKVConfig, tokens: int) -> int:
 
 def device_value_pages(cfg: ShadowKVConfig, pages: int) -> int:
     """Of a sequence's value pages, those kept in device memory (ShadowKVConfig.device_value_share)."""
+    if cfg.device_value_share == AUTO:
+        raise ValueError("device_value_share 'auto' is chosen when a replica's pools are planned: replace it with a "
+                         "share first (best_device_value_share)")
     return math.floor(cfg.device_value_share * pages)
 
 
@@ -190,6 +194,15 @@ class Pools:
 
     def host_bytes(self, g: Geometry, cfg: ShadowKVConfig | None) -> int:
         return 0 if cfg is None else self.num_host_pages * host_page_bytes(g, cfg)
+
+    def num_sequences(self, cfg: ShadowKVConfig, tokens: int) -> int:
+        """How many ShadowKV sequences of `tokens` tokens (prompt and generation) these pools hold at once."""
+        pages = shadow_pages(cfg, tokens)
+        on_device = device_value_pages(cfg, pages)
+        held = [self.num_slots, self.num_gpu_pages // pages]
+        held += [self.num_device_value_pages // on_device] if on_device else []
+        held += [self.num_host_pages // (pages - on_device)] if pages > on_device else []
+        return min(held)
 
 
 def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, max_num_seqs: int,
@@ -239,11 +252,10 @@ def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path(
 
 
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
-# Calibrated on an H200 (torch 2.11, bf16, Llama-3.1-8B geometry; benchmarks/results/memory_model.json): a layer-wise
-# prefill holds about 8 hidden-sized bf16 vectors per prompt token at its peak (hidden states, residual, q, the
-# attention output and their RoPE / projection temporaries), ShadowKV two fp32 key rows more (the keys being
-# factorised and their normalised copies), plus one token chunk's MLP. The CUDA context held 0.85 GiB outside
-# torch's allocator.
+# Calibrated against measured peaks (docs/benchmarks.md, the memory model): a layer-wise prefill's peak holds hidden-
+# sized vectors per prompt token (hidden states, residual, q, the attention output and their RoPE / projection
+# temporaries), ShadowKV two fp32 key rows more (the keys being factorised and their normalised copies), plus one token
+# chunk's MLP; the CUDA context holds memory outside torch's allocator.
 WORKSPACE_HIDDEN_VECTORS = 8
 CONTEXT_BYTES = int(0.9 * GIB)
 
@@ -313,14 +325,13 @@ def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes
         free_host, batch = free_host - need.host, batch + 1
 
 
-def best_device_value_share(g: Geometry, cfg: ShadowKVConfig, gpu_bytes: int, host_bytes: int, context: int,
-                            max_new_tokens: int, steps: int = 64, **kw) -> float:
-    """The device_value_share (a multiple of 1/steps, below 1: a replica keeps a host shard) under which a replica
-    holds the most sequences of this context; of those, the largest: the device memory that batch leaves over then
-    holds values (fewer PCIe bytes) instead of lying idle."""
-    held = [capacity(g, dataclasses.replace(cfg, device_value_share=i / steps), gpu_bytes, host_bytes, [context],
-                     max_new_tokens, **kw) for i in range(steps)]
-    return max(i for i, h in enumerate(held) if h == max(held)) / steps
+def best_device_value_share(cfg: ShadowKVConfig, held: Callable[[ShadowKVConfig], int], steps: int = 64) -> float:
+    """The device_value_share (a multiple of 1/steps, below 1: a replica keeps a host shard) under which `held(cfg)`,
+    the sequences a replica holds, is largest; of those shares, the largest: the device memory that batch leaves over
+    then holds values (fewer PCIe bytes) instead of lying idle. held: e.g. capacity at one context (whole replica
+    bytes), or Pools.num_sequences of the pools planned for a share (an engine's cache budget)."""
+    counts = [held(dataclasses.replace(cfg, device_value_share=i / steps)) for i in range(steps)]
+    return max(i for i, n in enumerate(counts) if n == max(counts)) / steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -336,21 +347,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outlier-chunks", type=int, default=48)
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model",
                         help="host values: model dtype or fp8")
+    parser.add_argument("--device-value-share", default="0",
+                        help="share of values in device memory, or 'auto': the best for each context")
     args = parser.parse_args(argv)
     g = load_geometry(args.model)
+    share = args.device_value_share if args.device_value_share == AUTO else float(args.device_value_share)
     cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
-                         outlier_chunks=args.outlier_chunks, value_format=args.value_format)
+                         outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share)
     cfg.check_model(g.num_kv_heads, g.head_dim)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
     print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, "
           f"host {args.host_gib} GiB")
-    print(f"{'context':>9} {'dense':>6} {'shadowkv':>9} {'ratio':>6} {'GPU/seq GiB':>12} {'host/seq GiB':>13}")
+    print(f"{'context':>9} {'dense':>6} {'shadowkv':>9} {'ratio':>6} {'share':>6} {'GPU/seq GiB':>12} "
+          f"{'host/seq GiB':>13}")
     for context in args.context:
-        dense = capacity(g, None, gpu, host, [context], args.max_new_tokens)
-        shadow = capacity(g, cfg, gpu, host, [context], args.max_new_tokens)
-        per = seq_bytes(g, cfg, context, args.max_new_tokens)
+        def held(c: ShadowKVConfig, context=context) -> int:
+            return capacity(g, c, gpu, host, [context], args.max_new_tokens)
+
+        at = cfg if share != AUTO else dataclasses.replace(cfg, device_value_share=best_device_value_share(cfg, held))
+        dense, shadow = capacity(g, None, gpu, host, [context], args.max_new_tokens), held(at)
+        per = seq_bytes(g, at, context, args.max_new_tokens)
         ratio = f"{shadow / dense:.1f}x" if dense else "inf"
-        print(f"{context:>9} {dense:>6} {shadow:>9} {ratio:>6} {per.gpu / GIB:>12.2f} {per.host / GIB:>13.2f}")
+        print(f"{context:>9} {dense:>6} {shadow:>9} {ratio:>6} {at.device_value_share:>6.3f} {per.gpu / GIB:>12.2f} "
+              f"{per.host / GIB:>13.2f}")
 
 
 if __name__ == "__main__":

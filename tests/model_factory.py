@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from shadowkv_core.attention import AttentionMetadata
+from shadowkv_core.cache.base import AttentionMetadata
 
 _GEOMETRY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -206,7 +206,7 @@ def test_a_short_prompt_with_a_long_generation_is_kept_in_shadows(tiny_path, den
     shadow = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01, shadowkv=FULL_SHADOW)
     prompt = prompts_of_lengths([6], seed=19)[0]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)  # 46 tokens > min_context (16)
-    assert shadow.engine.can_admit(6, 40)
+    assert shadow.engine.cache.manager.can_allocate(6, 40)
     assert shadow.generate([prompt], params)[0].token_ids == dense_llm.generate([prompt], params)[0].token_ids
 
 
@@ -249,7 +249,7 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
     assert sum(c["chunks_fetched"] for c in runs[0][1]) > 0
     # by default only CUDA pipelines (its side streams are what a half's fetch overlaps on)
     default = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, shadowkv=sparse)
-    assert default.engine.config.pipeline_decode is None and default.engine.runner.pipeline_min_batch == 0
+    assert default.engine.config.pipeline_decode == "auto" and default.engine.runner.pipeline_min_batch == 0
     # asked for, the smallest pipelined batch defaults to the measured break-even: twice as large with fp8 values
     for value_format, min_batch in (("model", 8), ("fp8", 16)):
         asked = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, pipeline_decode=True,
@@ -385,3 +385,32 @@ def test_async_decode_failure_fails_its_requests_and_frees_them_after_the_step_h
         assert engine.step() == []
     assert cache_is_empty(engine) and engine.in_flight is None
     assert llm.generate([prompts_of_lengths([30], seed=43)[0]], GREEDY)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("async_decode", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("shadowkv", [None, SPARSE, {**SPARSE, "value_format": "fp8"}],
+                         ids=["dense", "shadowkv", "shadowkv_fp8"])
+def test_a_forked_request_decodes_what_its_source_does(tiny_path, shadowkv, async_decode):
+    """fork mid-generation copies the source's window, resident chunks, shadow and generated tokens (with async
+    decode, once the step in flight is read back): greedy, the fork's tokens are the source's, and both caches are
+    freed at the end. A fork the running batch has no room for is refused and takes nothing."""
+    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, async_decode=async_decode,
+              shadowkv=None if shadowkv is None else ShadowKVConfig(**shadowkv))
+    engine, prompt = llm.engine, prompts_of_lengths([90], seed=47)[0]
+    want = llm.generate([prompt], GREEDY)[0].token_ids
+    engine.add_request("src", prompt, GREEDY)
+    while len(engine.requests["src"].output_token_ids) < 3:
+        engine.step()
+    with pytest.raises(ValueError, match="not decoding"):
+        engine.fork("nobody", "x")
+    engine.fork("src", "fork")
+    assert engine.requests["fork"].output_token_ids == engine.requests["src"].output_token_ids
+    held = engine.stats()
+    with pytest.raises(RuntimeError, match="running batch is full"):
+        engine.fork("src", "third")
+    assert engine.stats() == held and "third" not in engine.requests
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out.token_ids
+    assert outs["fork"] == outs["src"] == want and cache_is_empty(engine)

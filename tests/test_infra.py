@@ -2,6 +2,7 @@
 KubeRay RayService CRD, Ray's cluster-launcher schema), the RayService serves configs/prod.yaml unchanged, and the
 image, the RayService and the launcher files agree with each other, with pyproject.toml and with the memory model."""
 import copy
+import dataclasses
 import functools
 import gzip
 import json
@@ -145,8 +146,8 @@ def test_gpu_worker_memory_holds_a_full_value_shard_and_the_object_store_in_shm(
     assert object_store <= _bytes(shm["emptyDir"]["sizeLimit"])
     geometry = mm.load_geometry("llama-3.1-8b")
     prompt = args["max_model_len"] - args["default_max_tokens"]
-    shard = args["max_num_seqs"] * mm.seq_bytes(geometry, PRESETS[args["shadowkv"]], prompt,
-                                                args["default_max_tokens"]).host
+    all_on_host = dataclasses.replace(PRESETS[args["shadowkv"]], device_value_share=0.0)  # the largest shard
+    shard = args["max_num_seqs"] * mm.seq_bytes(geometry, all_on_host, prompt, args["default_max_tokens"]).host
     memory = _bytes(container["resources"]["limits"]["memory"])
     assert shard + object_store < memory == _bytes(container["resources"]["requests"]["memory"])
 

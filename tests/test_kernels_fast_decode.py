@@ -1,5 +1,5 @@
 """The fast decode path (shadowkv/fast_decode.py, all kernels, two streams) against the reference decode path
-(layer.decode_layer per sequence) on two caches holding the same prefill: same outputs, same resident chunks,
+(decode.decode_layer per sequence) on two caches holding the same prefill: same outputs, same resident chunks,
 through steps that hit, miss and fold the window."""
 import dataclasses
 from pathlib import Path
@@ -8,55 +8,48 @@ import pytest
 import torch
 
 from test_kernels_utils import DEVICE, LLAMA3_SCALING, assert_close, rotary_for_tests
-from shadowkv_core.attention import AttentionMetadata
+from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.config import ShadowKVConfig
-from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.memory_model import Pools
 from shadowkv_core.shadowkv.cache import ShadowKVCache
-from shadowkv_core.shadowkv.fast_decode import DecodePlan, begin_decode_layer, end_decode_layer
 
 L, HQ, HKV, D = 2, 8, 2, 32
 SCALE = D ** -0.5
 
 
-def _cache(config, rotary, dtype, device):
-    dense = DenseKVCache(L, HKV, D, num_blocks=8, block_size=16, dtype=dtype, device=device, scale=SCALE)
-    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rotary, dtype, device, max_num_seqs=4, num_gpu_pages=512,
-                         num_host_pages=512, dense=dense,
-                         num_device_value_pages=512 if config.device_value_share else 0)
+def _cache(config, rotary, dtype, device, use_kernels):
+    spec = CacheSpec(L, HQ, HKV, D, SCALE, dtype, device, use_kernels=use_kernels)
+    pools = Pools(num_slots=4, num_dense_blocks=0, num_gpu_pages=512, num_host_pages=512,
+                  num_device_value_pages=512 if config.device_value_share else 0)
+    return ShadowKVCache(spec, config, pools, rotary)
 
 
 def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
     """One forward of every layer on both caches -> [(reference output, fast output)] per layer."""
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)]).to(device)
     meta = AttentionMetadata(is_prefill, list(range(len(lens))), lens, ctx, positions)
-    outs, plan = [], None
+    outs = []
     inputs = [[torch.randn(len(positions), h, D, device=device).to(dtype) for h in (HQ, HKV, HKV)] for _ in range(L)]
     for layer, (q, k_pre, v) in enumerate(inputs):
         q, k_rot = rotary.apply(q, positions), rotary.apply(k_pre, positions)
-        ref = caches[0].attend(layer, q, k_pre, k_rot, v, meta)
-        if is_prefill:
-            caches[1].attend(layer, q, k_pre, k_rot, v, meta)
-            continue
-        if layer == 0:
-            plan = DecodePlan.build(caches[1], [caches[1].seqs[i] for i in meta.seq_ids])
-        pending = begin_decode_layer(caches[1], layer, plan, q, k_pre, k_rot, v)
-        outs.append((ref, end_decode_layer(caches[1], pending)))
+        outs.append([cache.attend(layer, q, k_pre, k_rot, v, meta) for cache in caches])
     for cache in caches:
         cache.finish_forward(meta)
-    return outs
+    return [] if is_prefill else outs
 
 
 def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config):
     """Two caches (reference, fast) of a small sparse config holding the same prefill of `prompt_lens`; the fast one
     keeps `fast_share` of each sequence's values in its device region."""
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
-                            min_context=0, decode_window=8, page_chunks=4, **config)
+                            min_context=0, decode_window=8, page_chunks=4, device_value_share=0.0, **config)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
-    caches = [_cache(c, rotary, dtype, device)
-              for c in (config, dataclasses.replace(config, device_value_share=fast_share))]
+    caches = [_cache(config, rotary, dtype, device, use_kernels=False),
+              _cache(dataclasses.replace(config, device_value_share=fast_share), rotary, dtype, device,
+                     use_kernels=True)]
     for cache in caches:
         for i, n in enumerate(prompt_lens):
-            cache.allocate(i, n, steps + 1)
+            cache.manager.allocate(i, n, steps + 1)
     torch.manual_seed(seed)
     _forward(caches, rotary, list(prompt_lens), [0] * len(prompt_lens), True, dtype, device)
     return caches, rotary
@@ -72,7 +65,7 @@ def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks
     caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
                                 landmark_format=landmarks)
     if fast_share:
-        assert caches[1].host.device_pages.num_free < caches[1].host.device_pages.num_pages
+        assert caches[1].manager.device_value_pages.num_free < caches[1].manager.device_value_pages.num_blocks
     for step in range(steps):
         ctx = [n + step for n in prompt_lens]
         for layer, (ref, got) in enumerate(_forward(caches, rotary, [1] * len(ctx), ctx, False, dtype, device)):
@@ -96,12 +89,13 @@ def test_fast_decode_generates_the_reference_tokens(value_format="model", device
     past the answer and its EOS (ignore_eos): the Triton decode path (on CUDA: graphs, pipelined halves) generates
     exactly what the PyTorch reference path does. On the CPU (the interpreter, fp32) its 8th step met a head whose
     scores were all ties, which the reference once broke otherwise."""
-    from benchmarks.accuracy import shadowkv_config
     from benchmarks.longctx_data import make_sample
     from shadowkv_core import LLM, SamplingParams
     model = str(Path(__file__).resolve().parents[1] / "models" / "shadowkv-small")
     samples = [make_sample("niah_multikey", context, seed).prompt_ids for seed in range(prompts)]
-    config = shadowkv_config(model, context, 0.0156, value_format=value_format)
+    # the paper's shape scaled to the shipped model: rank 15.6 % of kv_heads * head_dim (128), budget 1.56 %
+    config = ShadowKVConfig(rank=20, chunk_size=8, sparse_budget=round(0.0156 * context / 8) * 8, outlier_chunks=8,
+                            local_chunks=4, min_context=0, decode_window=128, value_format=value_format)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     generated = []
     for use_kernels in (False, True):

@@ -11,7 +11,7 @@ from shadowkv_core.tiny_model import build_tiny_model
 
 G8B = mm.PRESETS["llama-3.1-8b"]
 GPU, HOST = 80 * mm.GIB, 512 * mm.GIB
-PAPER = ShadowKVConfig()
+PAPER = ShadowKVConfig(device_value_share=0.0)  # the paper: every value on the host
 
 
 def cap(cfg, context=122880, g=G8B):
@@ -57,34 +57,35 @@ def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_f
                          device_value_share=share, landmark_format=landmarks)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
-    cache = engine.cache
+    cache, shadow = engine.cache, engine.cache.shadow
     g = mm.Geometry.from_spec(engine.spec, torch.float32)
-    device_values = [t for t in (cache.host.device_values, cache.host.device_scales) if t is not None]
+    device_values = [t for t in (shadow.host.device_values, shadow.host.device_scales) if t is not None]
     allocated_gpu = sum(t.numel() * t.element_size() for t in
-                        (*cache.gpu.buffers, cache.dense.k, cache.dense.v, *cache.slots.buffers, *device_values))
+                        (*shadow.gpu.buffers, cache.dense.k, cache.dense.v, *shadow.slots.buffers, *device_values))
     pools = mm.plan_pools(g, cfg, int(0.005 * mm.GIB), int(0.002 * mm.GIB), 3)
-    assert (cache.slots.num_slots, cache.dense.blocks.num_blocks, cache.gpu.num_pages, cache.host.num_pages,
-            cache.host.device_pages.num_pages) == (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
-                                                   pools.num_host_pages, pools.num_device_value_pages)
+    held = (shadow.slots.num_slots, cache.dense.manager.blocks.num_blocks, shadow.gpu.num_pages, shadow.host.num_pages,
+            shadow.host.num_device_pages)
+    assert held == (pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
+                    pools.num_device_value_pages)
     assert (pools.num_device_value_pages > 0) == (share > 0)
     assert allocated_gpu == pools.gpu_bytes(g, cfg, 16) <= 0.005 * mm.GIB
-    host_tensors = (cache.host.values,) if cache.host.scales is None else (cache.host.values, cache.host.scales)
+    host_tensors = (shadow.host.values,) if shadow.host.scales is None else (shadow.host.values, shadow.host.scales)
     assert sum(t.numel() * t.element_size() for t in host_tensors) == pools.host_bytes(g, cfg)
     for prompt_len, max_new in ((300, 40), (20, 10)):  # a shadow sequence, then a dense one
         before = cache.stats()
         assert engine.footprint(prompt_len, max_new) == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
-        cache.allocate(prompt_len, prompt_len, max_new)
+        cache.manager.allocate(prompt_len, prompt_len, max_new)
         after = cache.stats()
         used = (after["gpu_bytes_in_use"] - before["gpu_bytes_in_use"],
                 after["host_bytes_in_use"] - before["host_bytes_in_use"])
         assert used == dataclasses.astuple(mm.seq_bytes(g, cfg, prompt_len, max_new))
-        cache.free(prompt_len)
+        cache.manager.free(prompt_len)
     assert cache.stats()["gpu_bytes_in_use"] == 0
 
 
 def test_fp8_values_halve_the_host_bytes_and_double_a_host_bound_batch():
     g = mm.PRESETS["llama-3.1-8b"]
-    model, fp8 = ShadowKVConfig(), ShadowKVConfig(value_format="fp8")
+    model, fp8 = PAPER, dataclasses.replace(PAPER, value_format="fp8")
     host_model, host_fp8 = mm.seq_bytes(g, model, 122880, 128).host, mm.seq_bytes(g, fp8, 122880, 128).host
     assert host_fp8 / host_model == pytest.approx(0.5, abs=0.01)  # e4m3 + one fp32 scale per 8 tokens of a head
     gpu, host = 139 * mm.GIB, 100 * mm.GIB
@@ -93,7 +94,7 @@ def test_fp8_values_halve_the_host_bytes_and_double_a_host_bound_batch():
 
 def test_fp8_landmarks_halve_the_landmark_bytes():
     g = mm.PRESETS["llama-3.1-8b"]
-    model, fp8 = ShadowKVConfig(), ShadowKVConfig(landmark_format="fp8")
+    model, fp8 = PAPER, dataclasses.replace(PAPER, landmark_format="fp8")
     u = g.num_layers * mm.page_tokens(model) * model.rank * g.dtype_bytes
     flags = g.num_layers * model.page_chunks * g.num_kv_heads  # one byte per chunk and KV head
     landmarks = mm.gpu_page_bytes(g, model) - u - flags
@@ -142,15 +143,19 @@ def test_pool_budget_and_capacity_with_a_device_value_share(share):
 
 
 def test_best_device_value_share_fills_device_memory_a_host_bound_batch_leaves():
-    g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig(value_format="fp8")
+    g, cfg = mm.PRESETS["llama-3.1-8b"], dataclasses.replace(PAPER, value_format="fp8")
     gpu, host = 125 * mm.GIB, 100 * mm.GIB
-    host_bound = mm.capacity(g, cfg, gpu, host, [122880], 128)
-    share = mm.best_device_value_share(g, cfg, gpu, host, 122880, 128)
-    best = mm.capacity(g, dataclasses.replace(cfg, device_value_share=share), gpu, host, [122880], 128)
+
+    def held_at(host_bytes):
+        return lambda c: mm.capacity(g, c, gpu, host_bytes, [122880], 128)
+
+    host_bound = held_at(host)(cfg)
+    share = mm.best_device_value_share(cfg, held_at(host))
+    best = held_at(host)(dataclasses.replace(cfg, device_value_share=share))
     assert 0 < share < 1 and best > host_bound  # values moved to the device make room on the host
     more = dataclasses.replace(cfg, device_value_share=share + 1 / 64)
-    assert mm.capacity(g, more, gpu, host, [122880], 128) < best  # the largest share that keeps that batch
-    assert mm.best_device_value_share(g, cfg, gpu, 10_000 * mm.GIB, 122880, 128) == 0.0  # GPU-bound: none
+    assert held_at(host)(more) < best  # the largest share that keeps that batch
+    assert mm.best_device_value_share(cfg, held_at(10_000 * mm.GIB)) == 0.0  # GPU-bound: none
 
 
 def test_host_memory_available_respects_the_container_limit(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
-from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.cache.base import CacheSpec
+from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.models import load_model
 
 PROMPT_LEN, DECODE_STEPS = 24, 32  # phi3's longrope switches to its long factors at 32 tokens, mid-decode
@@ -20,8 +21,7 @@ FP32_REL = 1e-4
 
 
 def make_cache(spec, num_blocks=32, block_size=8, dtype=torch.float32, device="cpu"):
-    return DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size, dtype,
-                        device, spec.attention_scale)
+    return DenseKVCache(CacheSpec.of(spec, dtype, device), num_blocks, block_size)
 
 
 class HFReference:
@@ -57,7 +57,7 @@ def test_prefill_and_decode_match_hf(family, device, dtype, tmp_path):
     reference = HFReference(build_tiny_hf_model(family, tmp_path).to(device), dtype)
     decoder, spec = load_model(str(tmp_path), dtype, device)
     cache = make_cache(spec, dtype=dtype, device=device)
-    cache.allocate(0, PROMPT_LEN, DECODE_STEPS)
+    cache.manager.allocate(0, PROMPT_LEN, DECODE_STEPS)
     prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         truth, low = reference(prompt[None].to(device))
@@ -81,14 +81,14 @@ def test_ragged_batch_matches_each_prompt_alone(family, tmp_path):
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen) for n in (5, 40, 17)]  # 40 > phi3's 32
     batch_cache = make_cache(spec)
     for i, p in enumerate(prompts):
-        batch_cache.allocate(i, len(p), 4)
+        batch_cache.manager.allocate(i, len(p), 4)
     batched = prefill(decoder, batch_cache, prompts)
     last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
     tokens = batched[last].argmax(-1).tolist()
     batched_step = decode(decoder, batch_cache, tokens, [len(p) for p in prompts])
     for i, p in enumerate(prompts):
         cache = make_cache(spec)
-        cache.allocate(0, len(p), 4)
+        cache.manager.allocate(0, len(p), 4)
         alone = prefill(decoder, cache, [p])
         start = last[i] + 1 - len(p)
         assert_close_to(batched[start:last[i] + 1], alone, f"{family} prompt {i} prefill")

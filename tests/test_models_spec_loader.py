@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import build_tiny_hf_model
-from shadowkv_core.attention import AttentionMetadata
-from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
+from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.models import ModelSpec, load_model, load_tokenizer
 from shadowkv_core.tiny_model import build_tiny_model
 
@@ -118,9 +118,8 @@ def test_chunked_prefill_equals_unchunked(family, tmp_path):
     logits = []
     for chunk_tokens in (8192, 7):
         decoder, spec = load_model(str(tmp_path), None, "cpu", prefill_chunk_tokens=chunk_tokens)
-        cache = DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, 8, 8, torch.float32, "cpu",
-                             spec.attention_scale, prefill_chunk_tokens=chunk_tokens)
-        cache.allocate(0, 45, 1)
+        cache = DenseKVCache(CacheSpec.of(spec, torch.float32, "cpu", prefill_chunk_tokens=chunk_tokens), 8, 8)
+        cache.manager.allocate(0, 45, 1)
         meta = AttentionMetadata(True, [0], [45], [0], torch.arange(45))
         logits.append(decoder.compute_logits(decoder(prompt, torch.arange(45), cache, meta)))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

@@ -41,6 +41,6 @@ def test_quest_scorer_in_the_cache_at_full_budget_and_rank_equals_dense(tmp_path
     config = ShadowKVConfig(rank=32, chunk_size=8, sparse_budget=512, outlier_chunks=2, local_chunks=4, min_context=0,
                             decode_window=64)  # rank 32 = 2 KV heads x 16: exact keys; the budget takes every chunk
     llm = LLM(model=model, shadowkv=config)
-    scorer = llm.engine.cache.chunk_scorer = QuestScorer()
+    scorer = llm.engine.cache.shadow.chunk_scorer = QuestScorer()
     assert llm.generate([prompt], params)[0].token_ids == dense
     assert len(scorer.bounds) == 2  # one entry per layer of the one sequence

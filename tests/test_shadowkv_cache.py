@@ -1,16 +1,20 @@
-"""ShadowKVCache alone, driven through `attend` on random q/k/v: at full budget and full rank it equals dense exact
-attention over the whole cache, for ragged batches, through prefill and decode steps that fold the window."""
+"""The ShadowKV cache (with its dense side for short sequences, as an engine holds it), driven through `attend` on
+random q/k/v: at full budget and full rank it equals dense exact attention over the whole cache, for ragged batches,
+through prefill and decode steps that fold the window; at a small budget it attends exactly to the chunks it selected."""
 import pytest
 import torch
 
-from shadowkv_core.attention import AttentionMetadata, attention_ref, prefill_attention_ref
 from shadowkv_core import memory_model as mm
+from shadowkv_core.attention import attention_ref, prefill_attention_ref
+from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
+from shadowkv_core.cache.dense import DenseKVCache
+from shadowkv_core.cache.hybrid import HybridCache
 from shadowkv_core.config import ShadowKVConfig
-from shadowkv_core.dense_cache import DenseKVCache
 from shadowkv_core.models.rotary import RotaryEmbedding
 from shadowkv_core.models.spec import ModelSpec
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 from shadowkv_core.shadowkv.pages import GpuPages
+from shadowkv_core.shadowkv.plan import PageTables
 from test_shadowkv_reference import RopeForTests
 
 L, HQ, HKV, D = 2, 4, 2, 8
@@ -18,18 +22,22 @@ SCALE = D ** -0.5
 
 
 def make_cache(config: ShadowKVConfig, max_num_seqs=4, gpu_pages=64, host_pages=64, dense_blocks=64, rope=None,
-               device="cpu"):
-    dense = DenseKVCache(L, HKV, D, num_blocks=dense_blocks, block_size=4, dtype=torch.float32, device=device,
-                         scale=SCALE)
-    return ShadowKVCache(L, HQ, HKV, D, config, SCALE, rope or RopeForTests(D), torch.float32, device, max_num_seqs,
-                         gpu_pages, host_pages, dense)
+               device="cpu") -> HybridCache:
+    spec = CacheSpec(L, HQ, HKV, D, SCALE, torch.float32, device)
+    pools = mm.Pools(max_num_seqs, dense_blocks, gpu_pages, host_pages)
+    shadow = ShadowKVCache(spec, config, pools, rope or RopeForTests(D))
+    return HybridCache(config, DenseKVCache(spec, dense_blocks, block_size=4), shadow)
 
 
 def full_config(**overrides):
     """Budget covering every chunk, full rank: ShadowKV must equal dense attention."""
     fields = dict(rank=HKV * D, chunk_size=4, sparse_budget=128, outlier_chunks=2, local_chunks=2, min_context=0,
-                  decode_window=8, page_chunks=4)
+                  decode_window=8, page_chunks=4, device_value_share=0.0)
     return ShadowKVConfig(**{**fields, **overrides})
+
+
+def states(cache: HybridCache):
+    return cache.shadow.manager.seqs
 
 
 class DenseOracle:
@@ -50,7 +58,7 @@ class DenseOracle:
 
 def run_forward(cache, oracle, rope, seq_ids, lens, ctx, is_prefill):
     """One forward of random tokens through every layer; returns the largest |ShadowKV - dense| seen."""
-    device = cache.device
+    device = cache.shadow.device
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)]).to(device)
     seq_lens = torch.tensor([c + n for c, n in zip(ctx, lens)]).repeat_interleave(torch.tensor(lens)).to(device)
     meta = AttentionMetadata(is_prefill, seq_ids, lens, ctx, positions)
@@ -71,10 +79,10 @@ def run_forward(cache, oracle, rope, seq_ids, lens, ctx, is_prefill):
 
 def generate(cache, prompt_lens, steps, seed=0):
     torch.manual_seed(seed)
-    rope, oracle = cache.rotary, DenseOracle()
+    rope, oracle = cache.shadow.rotary, DenseOracle()
     seq_ids = list(range(len(prompt_lens)))
     for seq_id, n in zip(seq_ids, prompt_lens):
-        cache.allocate(seq_id, n, steps + 1)
+        cache.manager.allocate(seq_id, n, steps + 1)
     worst = run_forward(cache, oracle, rope, seq_ids, list(prompt_lens), [0] * len(seq_ids), True)
     for t in range(steps):
         ctx = [n + t for n in prompt_lens]
@@ -86,7 +94,7 @@ def test_full_budget_full_rank_equals_dense_ragged_with_folding():
     cache = make_cache(full_config())
     worst = generate(cache, prompt_lens=[37, 50, 23], steps=40)
     assert worst < 1e-5
-    st = cache.seqs[1]
+    st = states(cache)[1]
     assert st.seq_len == 90 and st.num_shadow * 4 + st.window_len == 90
     assert st.num_shadow > 50 // 4 - 2 + 4  # folded several times (window of 8: every 4 steps)
     stats = cache.stats()
@@ -99,8 +107,8 @@ def test_fp8_values_full_budget_stay_within_e4m3_precision_of_dense():
     cache = make_cache(full_config(value_format="fp8"))
     worst = generate(cache, prompt_lens=[37, 50, 23], steps=24)
     assert 1e-4 < worst < 0.1  # values ~N(0, 1): the largest in a chunk ~2-3, rounding <= 2^-4 of it
-    assert cache.seqs[1].num_shadow > 50 // 4 - 2  # folded windows are quantised too
-    assert cache.host.values.dtype == torch.float8_e4m3fn
+    assert states(cache)[1].num_shadow > 50 // 4 - 2  # folded windows are quantised too
+    assert cache.shadow.host.values.dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("rope_scaling,partial", [({"rope_type": "dynamic", "factor": 2.0}, 1.0), (None, 0.5)])
@@ -119,7 +127,7 @@ def test_model_rotary_including_length_dependent_rope(rope_scaling, partial):
 @pytest.mark.gpu
 def test_full_budget_full_rank_equals_dense_on_cuda():
     cache = make_cache(full_config(min_context=30), device="cuda")
-    assert cache.host.pinned
+    assert cache.shadow.host.pinned
     assert generate(cache, prompt_lens=[37, 50, 23, 12], steps=24) < 1e-5
     cache.close()
 
@@ -129,7 +137,7 @@ def test_ragged_batch_mixing_dense_and_shadow_sequences():
     worst = generate(cache, prompt_lens=[37, 12, 50, 29], steps=12)
     assert worst < 1e-5
     # Only the 12-token prompt fits in min_context with its generation: 29 + 12 steps does not, so it is in shadows.
-    assert set(cache.seqs) == {0, 2, 3} and cache.stats()["num_seqs"] == 4
+    assert set(states(cache)) == {0, 2, 3} and cache.stats()["num_seqs"] == 4
 
 
 def test_no_outliers_and_prompt_shorter_than_local_chunks():
@@ -137,14 +145,56 @@ def test_no_outliers_and_prompt_shorter_than_local_chunks():
     assert generate(cache, prompt_lens=[5, 41], steps=20) < 1e-5
 
 
-def test_small_budget_and_rank_run_and_count_fetches():
-    cache = make_cache(full_config(rank=6, sparse_budget=12, outlier_chunks=1))
-    worst = generate(cache, prompt_lens=[64, 45], steps=10)
-    assert worst < 10  # sparse and low rank: only sane, not equal
+def attention_over(q, keys, values, heads_keys):
+    """Exact GQA attention of one query q (Hq, d) where KV head h sees only the token rows heads_keys[h]."""
+    G = HQ // HKV
+    out = torch.empty_like(q)
+    for h, rows in enumerate(heads_keys):
+        logits = q[h * G:(h + 1) * G] @ keys[rows, h].T * SCALE  # (G, n)
+        out[h * G:(h + 1) * G] = logits.softmax(-1) @ values[rows, h]
+    return out
+
+
+def test_small_budget_attends_exactly_to_the_chunks_it_selected_and_counts_fetches():
+    """Full rank, 3 of the shadow's chunks per KV head, no outliers: each decode output is exact attention over the
+    tokens of the chunks resident in the slot after the step, and the window (prompt's local chunks and generated
+    tokens); the step's counters add up."""
+    torch.manual_seed(4)
+    C = 4
+    cache = make_cache(full_config(sparse_budget=3 * C, outlier_chunks=0))
+    rope, prompt_lens, steps = cache.shadow.rotary, [64, 45], 10
+    keys = {(layer, s): [] for layer in range(L) for s in range(2)}  # every token's exact post-RoPE k and v
+    vals = {(layer, s): [] for layer in range(L) for s in range(2)}
+    for s, n in enumerate(prompt_lens):
+        cache.manager.allocate(s, n, steps + 1)
+    for step in range(steps + 1):
+        prefill = step == 0
+        lens = prompt_lens if prefill else [1, 1]
+        ctx = [0, 0] if prefill else [n + step - 1 for n in prompt_lens]
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)])
+        meta = AttentionMetadata(prefill, [0, 1], lens, ctx, positions)
+        shadow_tokens = [states(cache)[s].num_shadow * C for s in range(2)]
+        for layer in range(L):
+            q, k_pre, v = (torch.randn(len(positions), h, D) for h in (HQ, HKV, HKV))
+            q, k_rot = rope.apply(q, positions), rope.apply(k_pre, positions)
+            out = cache.attend(layer, q, k_pre, k_rot, v, meta)
+            for s, start in enumerate(meta.query_starts):
+                keys[layer, s].append(k_rot[start:start + lens[s]])
+                vals[layer, s].append(v[start:start + lens[s]])
+                if prefill:
+                    continue
+                k_all, v_all = torch.cat(keys[layer, s]), torch.cat(vals[layer, s])
+                resident = cache.shadow.slots.resident[states(cache)[s].slot, layer]  # (Hkv, K) chunk ids
+                window = torch.arange(shadow_tokens[s], len(k_all))
+                rows = [torch.cat([(resident[h, :, None] * C + torch.arange(C)).flatten(), window])
+                        for h in range(HKV)]
+                assert all(resident[h].ge(0).sum() == 3 for h in range(HKV))
+                want = attention_over(q[start], k_all, v_all, rows)
+                torch.testing.assert_close(out[start], want, rtol=1e-5, atol=1e-5)
+        cache.finish_forward(meta)
     stats = cache.stats()
-    assert 0.0 <= stats["hit_rate"] <= 1.0
-    assert stats["bytes_fetched"] == stats["chunks_fetched"] * 4 * D * 4
-    assert cache.slots.resident[cache.seqs[0].slot].ge(0).sum() == L * HKV * 3  # 3 budget chunks per KV head
+    assert 0.0 <= stats["hit_rate"] < 1.0 and stats["chunks_fetched"] > 0
+    assert stats["bytes_fetched"] == stats["chunks_fetched"] * C * D * 4
 
 
 def test_free_returns_every_page_and_slot():
@@ -153,30 +203,32 @@ def test_free_returns_every_page_and_slot():
     host_in_use = cache.stats()["host_bytes_in_use"]
     assert host_in_use > 0
     for seq_id in range(3):
-        cache.free(seq_id)
+        cache.manager.free(seq_id)
     stats = cache.stats()
     assert stats["num_seqs"] == 0 and stats["gpu_bytes_in_use"] == 0 and stats["host_bytes_in_use"] == 0
-    assert cache.gpu.num_free == 64 and cache.host.num_free == 64 and cache.slots.num_free == 4
+    shadow = cache.shadow.manager
+    assert shadow.gpu_pages.num_free == 64 and shadow.host_pages.num_free == 64 and shadow.slots.num_free == 4
+    assert cache.dense.manager.blocks.num_free == 64
 
 
 def test_allocate_refuses_cleanly_when_pages_run_out():
-    cache = make_cache(full_config(), gpu_pages=8, host_pages=6)  # page: 4 chunks of 4 tokens
-    assert cache.can_allocate(80, 16)  # 6 pages
-    cache.allocate(0, 80, 16)
-    assert not cache.can_allocate(10, 10)
-    with pytest.raises(MemoryError, match="host pages"):
-        cache.allocate(1, 10, 10)
-    assert cache.gpu.num_free == 2 and cache.host.num_free == 0 and cache.slots.num_free == 3
-    cache.free(0)
-    cache.allocate(1, 10, 10)
+    manager = make_cache(full_config(), gpu_pages=8, host_pages=6).shadow.manager  # page: 4 chunks of 4 tokens
+    assert manager.can_allocate(80, 16)  # 6 pages
+    manager.allocate(0, 80, 16)
+    assert not manager.can_allocate(10, 10)
+    with pytest.raises(MemoryError, match="short of host value pages"):
+        manager.allocate(1, 10, 10)
+    assert manager.gpu_pages.num_free == 2 and manager.host_pages.num_free == 0 and manager.slots.num_free == 3
+    manager.free(0)
+    manager.allocate(1, 10, 10)
 
 
 def test_allocate_refuses_when_slots_run_out():
-    cache = make_cache(full_config(), max_num_seqs=1)
-    cache.allocate(0, 40, 8)
+    manager = make_cache(full_config(), max_num_seqs=1).shadow.manager
+    manager.allocate(0, 40, 8)
     with pytest.raises(MemoryError, match="slot"):
-        cache.allocate(1, 40, 8)
-    assert cache.gpu.num_free == 64 - 3
+        manager.allocate(1, 40, 8)
+    assert manager.gpu_pages.num_free == 64 - 3
 
 
 def test_footprint_is_what_the_buffers_take():
@@ -184,14 +236,16 @@ def test_footprint_is_what_the_buffers_take():
     cache = make_cache(config, max_num_seqs=2, gpu_pages=5, host_pages=7)
     g = mm.Geometry(L, HQ, HKV, D, hidden_size=0, intermediate_size=0, vocab_size=0, dtype_bytes=4)
     gpu_page, host_page, slot = mm.gpu_page_bytes(g, config), mm.host_page_bytes(g, config), mm.slot_bytes(g, config)
-    tensors = [*cache.gpu.buffers, *cache.slots.buffers]
+    shadow = cache.shadow
+    tensors = [*shadow.gpu.buffers, *shadow.slots.buffers]
     assert sum(t.numel() * t.element_size() for t in tensors) == 5 * gpu_page + 2 * slot
-    assert cache.host.values.numel() * 4 == 7 * host_page
-    assert cache.footprint(40, 8) == (3 * gpu_page + slot, 3 * host_page)
-    cache.allocate(0, 40, 8)
+    assert shadow.host.values.numel() * 4 == 7 * host_page
+    assert cache.manager.footprint(40, 8) == (3 * gpu_page + slot, 3 * host_page)
+    cache.manager.allocate(0, 40, 8)
     stats = cache.stats()
-    assert (stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == cache.footprint(40, 8)
-    assert stats["gpu_bytes_total"] == 5 * gpu_page + 2 * slot + cache.dense.stats()["gpu_bytes_total"]
+    assert (stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == cache.manager.footprint(40, 8)
+    dense_bytes = cache.dense.k.numel() * 4 + cache.dense.v.numel() * 4
+    assert stats["gpu_bytes_total"] == 5 * gpu_page + 2 * slot + dense_bytes
 
 
 def test_config_checked_against_the_model():
@@ -202,9 +256,8 @@ def test_config_checked_against_the_model():
 def test_outlier_flags_follow_the_landmarks_through_page_reuse():
     """mark_outliers flags exactly the given chunks of each KV head; writing landmarks over a reused page clears its
     flags, so a later sequence on that page inherits no outliers."""
-    pages = GpuPages(L, num_pages=6, page_chunks=4, chunk_size=2, rank=3, num_kv_heads=HKV, head_dim=D,
-                     dtype=torch.float32, device="cpu")
-    table = torch.tensor(pages.alloc(3))
+    pages = GpuPages(CacheSpec(L, HQ, HKV, D, SCALE), full_config(rank=3, chunk_size=2, sparse_budget=8), num_pages=6)
+    table = torch.tensor([4, 0, 2])
     pages.write_landmarks(1, table, 0, torch.randn(10, HKV, D))
     ids = torch.tensor([[0, 5, 9], [2, 5, 7]])  # (Hkv, O)
     pages.mark_outliers(1, table, ids)
@@ -212,8 +265,7 @@ def test_outlier_flags_follow_the_landmarks_through_page_reuse():
     expected.scatter_(1, ids, True)
     assert torch.equal(pages.read_outliers(1, table, 10), expected)
     assert not pages.read_outliers(0, table, 10).any()  # another layer
-    pages.free(table.tolist())
-    reused = torch.tensor(pages.alloc(6))  # every page, the three flagged ones among them
+    reused = torch.tensor([5, 2, 3, 0, 1, 4])  # every page, the three flagged ones among them
     pages.write_landmarks(slice(None), reused, 0, torch.randn(L, 24, HKV, D))
     assert not pages.read_outliers(1, reused, 24).any()
 
@@ -222,34 +274,36 @@ def test_page_tables_are_built_once_per_batch_and_stay_right_when_batches_change
     """The decode plan's page tables: each sequence's page lists zero-padded to a power of two; reused while the
     same sequences decode together, rebuilt for a new batch (a freed sequence's pages given to a new one included),
     and handed out as copies, so a caller writing into them (a captured graph's inputs) cannot corrupt a later plan."""
-    cache = make_cache(full_config(), gpu_pages=64, host_pages=64)
+    manager = make_cache(full_config(), gpu_pages=64, host_pages=64).shadow.manager
+    tables = PageTables(torch.device("cpu"), held=8)
     for seq_id, prompt in enumerate([40, 90, 20]):
-        cache.allocate(seq_id, prompt, 8)
+        manager.allocate(seq_id, prompt, 8)
 
     def expected(states):
         width = max(1 << (len(st.gpu_pages) - 1).bit_length() for st in states)
         return [torch.tensor([st.gpu_pages + [0] * (width - len(st.gpu_pages)) for st in states], dtype=torch.int32),
-                torch.tensor([st.host_pages + [0] * (width - len(st.host_pages)) for st in states], dtype=torch.int32)]
+                torch.tensor([st.value_pages + [0] * (width - len(st.value_pages)) for st in states],
+                             dtype=torch.int32)]
 
     def check(seq_ids):
-        states = [cache.seqs[i] for i in seq_ids]
-        tables = cache.page_tables(states)
-        for got, want in zip(tables, expected(states)):
-            assert torch.equal(got, want)
-        return tables
+        states = [manager.seqs[i] for i in seq_ids]
+        got = tables.of(states)
+        for table, want in zip(got, expected(states)):
+            assert torch.equal(table, want)
+        return got
 
     first = check([0, 1])
-    assert first.shape == (2, 2, 8) and len(cache._page_tables) == 1
+    assert first.shape == (2, 2, 8) and len(tables._tables) == 1
     first.fill_(-1)  # what a graph replay does to its inputs
     check([0, 1])
-    assert len(cache._page_tables) == 1  # reused, not rebuilt
+    assert len(tables._tables) == 1  # reused, not rebuilt
     check([1, 2])
-    cache.free(1)
-    cache.allocate(3, 60, 8)  # the freed pages, under a new state
+    manager.free(1)
+    manager.allocate(3, 60, 8)  # the freed pages, under a new state
     check([0, 3])
-    assert len(cache._page_tables) == 3
+    assert len(tables._tables) == 3
     batches = [[0], [2], [3], [0, 2], [2, 0], [0, 3], [3, 0], [2, 3], [3, 2], [0, 2, 3]]
-    assert len(batches) > cache.held_page_tables
+    assert len(batches) > tables.held
     for batch in batches:
         check(batch)
-    assert len(cache._page_tables) == cache.held_page_tables  # the least recently used dropped
+    assert len(tables._tables) == tables.held  # the least recently used dropped

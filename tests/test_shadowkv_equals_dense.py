@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
+from shadowkv_core.cache.base import CacheSpec
+from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.config import ShadowKVConfig
-from shadowkv_core.dense_cache import DenseKVCache
+from shadowkv_core.memory_model import Pools
 from shadowkv_core.models import load_model
 from shadowkv_core.shadowkv.cache import ShadowKVCache
 
@@ -15,16 +17,13 @@ PRECISIONS = [pytest.param("cpu", torch.float32, 1e-4, id="cpu-fp32"),
 
 
 def caches(spec, dtype, device, rotary):
-    def dense(blocks):
-        return DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, blocks, 8, dtype, device,
-                            spec.attention_scale)
-
     config = ShadowKVConfig(rank=spec.num_kv_heads * spec.head_dim, chunk_size=4, sparse_budget=4096,
-                            outlier_chunks=2, local_chunks=2, min_context=0, decode_window=16, page_chunks=4)
-    shadow = ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, config,
-                           spec.attention_scale, rotary, dtype, device, max_num_seqs=3, num_gpu_pages=32,
-                           num_host_pages=32, dense=dense(0))
-    return dense(64), shadow
+                            outlier_chunks=2, local_chunks=2, min_context=0, decode_window=16, page_chunks=4,
+                            device_value_share=0.0)
+    cache_spec = CacheSpec.of(spec, dtype, device)
+    shadow = ShadowKVCache(cache_spec, config, Pools(num_slots=3, num_dense_blocks=0, num_gpu_pages=32,
+                                                     num_host_pages=32), rotary)
+    return DenseKVCache(cache_spec, 64, 8), shadow
 
 
 @pytest.mark.parametrize("device, dtype, rel", PRECISIONS)
@@ -36,8 +35,8 @@ def test_full_budget_full_rank_shadowkv_equals_dense(family, device, dtype, rel,
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
     for i, p in enumerate(prompts):
-        dense.allocate(i, len(p), DECODE_STEPS)
-        shadow.allocate(i, len(p), DECODE_STEPS)
+        dense.manager.allocate(i, len(p), DECODE_STEPS)
+        shadow.manager.allocate(i, len(p), DECODE_STEPS)
     last = torch.tensor(PROMPT_LENS).cumsum(0) - 1
     with torch.no_grad():
         want, got = prefill(decoder, dense, prompts), prefill(decoder, shadow, prompts)
@@ -49,6 +48,6 @@ def test_full_budget_full_rank_shadowkv_equals_dense(family, device, dtype, rel,
             assert_close_to(got, want, f"{family} decode step {step}", rel)
             tokens = want.argmax(-1).tolist()
     for i in range(len(prompts)):
-        shadow.free(i)
+        shadow.manager.free(i)
     stats = shadow.stats()
     assert (stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0, 0)

@@ -1,17 +1,19 @@
-"""Build the engine's KV cache for a model, its pools sized by the memory model: dense paged, or ShadowKV with a
-dense cache for sequences that fit in ShadowKVConfig.min_context tokens."""
+"""Build an engine's KV cache, its pools sized by the memory model: dense paged, or a hybrid of a dense cache (for
+sequences that fit in ShadowKVConfig.min_context tokens) and the shadow."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from .. import memory_model as mm
-from ..attention import KVCache
-from ..config import EngineConfig
-from ..dense_cache import DenseKVCache
+from ..config import AUTO, EngineConfig, ShadowKVConfig
 from ..numa import placement_for_cuda_device
 from ..shadowkv.cache import ShadowKVCache
+from .base import CacheSpec, KVCache
+from .dense import DenseKVCache
+from .hybrid import HybridCache
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +21,7 @@ CPU_CACHE_BYTES = mm.GIB  # default cache budget on CPU, device and host alike
 HOST_HEADROOM = 0.8  # share of MemAvailable a default host store may take
 
 
-def gpu_cache_bytes(config: EngineConfig, spec, g: mm.Geometry, device: torch.device) -> int:
+def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device) -> int:
     """Bytes the caches may take on the device: configured, or what is free after the weights minus the
     memory model's workspace for the longest prefill."""
     if config.gpu_cache_gib is not None:
@@ -41,25 +43,46 @@ def host_cache_bytes(config: EngineConfig, wanted: int) -> int:
     return min(wanted, int(mm.mem_available_bytes() * HOST_HEADROOM))
 
 
-def _dense(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, num_blocks: int) -> DenseKVCache:
-    return DenseKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size, dtype,
-                        device, spec.attention_scale, config.prefill_chunk_tokens, config.use_kernels)
+def _host_wanted(g: mm.Geometry, cfg: ShadowKVConfig, gpu_budget: int, config: EngineConfig) -> int:
+    """Host bytes the value pages of every GPU page of a budget's pools would take."""
+    pools = mm.plan_pools(g, cfg, gpu_budget, 0, config.max_num_seqs, config.block_size)
+    return (pools.num_gpu_pages - pools.num_device_value_pages) * mm.host_page_bytes(g, cfg)
 
 
-def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, rotary) -> KVCache:
-    g = mm.Geometry.from_spec(spec, dtype)
-    budget = gpu_cache_bytes(config, spec, g, device)
+def resolve_device_value_share(config: EngineConfig, g: mm.Geometry, gpu_budget: int,
+                               max_model_len: int) -> ShadowKVConfig:
+    """The ShadowKV config with an "auto" device_value_share replaced: on CUDA the share under which the pools hold
+    the most sequences of max_model_len tokens (the largest such share: device memory left over holds values instead
+    of lying idle); elsewhere 0 (the host is the device's own memory)."""
     cfg = config.shadowkv
-    if cfg is None:
+    if cfg.device_value_share != AUTO:
+        return cfg
+    if torch.device(config.device).type != "cuda":
+        return dataclasses.replace(cfg, device_value_share=0.0)
+    host = host_cache_bytes(config, _host_wanted(g, dataclasses.replace(cfg, device_value_share=0.0), gpu_budget,
+                                                 config))
+
+    def held(c: ShadowKVConfig) -> int:
+        pools = mm.plan_pools(g, c, gpu_budget, host, config.max_num_seqs, config.block_size)
+        return pools.num_sequences(c, max_model_len)
+
+    return dataclasses.replace(cfg, device_value_share=mm.best_device_value_share(cfg, held))
+
+
+def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, rotary,
+                max_model_len: int) -> KVCache:
+    g = mm.Geometry.from_spec(spec, dtype)
+    budget = gpu_cache_bytes(config, g, device)
+    cache_spec = CacheSpec.of(spec, dtype, device, config.prefill_chunk_tokens, config.use_kernels)
+    if config.shadowkv is None:
         pools = mm.plan_pools(g, None, budget, 0, config.max_num_seqs, config.block_size)
         if pools.num_dense_blocks < 1:
             raise ValueError(f"gpu_cache_gib: {budget} bytes hold no KV block of "
                              f"{mm.dense_block_bytes(g, config.block_size)} bytes")
-        return _dense(config, spec, dtype, device, pools.num_dense_blocks)
-    cfg.check_model(spec.num_kv_heads, spec.head_dim)
-    gpu_only = mm.plan_pools(g, cfg, budget, 0, config.max_num_seqs, config.block_size)
-    host = host_cache_bytes(config, (gpu_only.num_gpu_pages - gpu_only.num_device_value_pages)
-                            * mm.host_page_bytes(g, cfg))
+        return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+    config.shadowkv.check_model(spec.num_kv_heads, spec.head_dim)
+    cfg = resolve_device_value_share(config, g, budget, max_model_len)
+    host = host_cache_bytes(config, _host_wanted(g, cfg, budget, config))
     pools = mm.plan_pools(g, cfg, budget, host, config.max_num_seqs, config.block_size)
     if pools.num_gpu_pages < 1 or pools.num_host_pages < 1:
         raise ValueError(f"cache budget: {budget} GPU bytes and {host} host bytes hold {config.max_num_seqs} "
@@ -70,11 +93,7 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
         placement = placement_for_cuda_device(device)
         placement.pin_threads()
     logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host and %d device value pages of %d "
-                "tokens", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages, pools.num_host_pages,
-                pools.num_device_value_pages, mm.page_tokens(cfg))
-    return ShadowKVCache(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg,
-                         spec.attention_scale, rotary, dtype, device, pools.num_slots, pools.num_gpu_pages,
-                         pools.num_host_pages, _dense(config, spec, dtype, device, pools.num_dense_blocks),
-                         prefill_chunk_tokens=config.prefill_chunk_tokens,
-                         placement=placement, use_kernels=config.use_kernels,
-                         num_device_value_pages=pools.num_device_value_pages)
+                "tokens (device value share %.3f)", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
+                pools.num_host_pages, pools.num_device_value_pages, mm.page_tokens(cfg), cfg.device_value_share)
+    dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+    return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement))

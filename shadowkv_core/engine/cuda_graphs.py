@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionMetadata, KVCache
+from ..cache.base import AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
 

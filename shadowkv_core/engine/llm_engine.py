@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import memory_model as mm
-from ..config import EngineConfig
+from ..cache.build import build_cache
+from ..cache.hybrid import HybridCache
+from ..config import EngineConfig, ShadowKVConfig, choose
 from ..models import load_model, load_tokenizer
 from ..transfers import Readback
-from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
 from .sampler import sample
 from .sampling import SamplingParams
@@ -43,12 +43,14 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
-                                 self.model.rotary)
+                                 self.model.rotary, self.max_model_len)
+        cuda = self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   pipeline_min_batch=self._pipeline_min_batch(config),
-                                  cuda_graphs=config.cuda_graphs)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.max_waiting)
-        self.async_decode = self.device.type == "cuda" if config.async_decode is None else config.async_decode
+                                  cuda_graphs=choose(config.cuda_graphs, cuda))
+        self.scheduler = Scheduler(self.cache.manager, config.max_num_seqs, config.max_prefill_tokens,
+                                   config.max_waiting)
+        self.async_decode = choose(config.async_decode, cuda)
         self.in_flight: InFlightDecode | None = None
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
@@ -60,13 +62,15 @@ class LLMEngine:
 
     def _pipeline_min_batch(self, config: EngineConfig) -> int:
         """The smallest decode batch run in pipelined halves (EngineConfig.pipeline_decode, pipeline_min_batch;
-        ShadowKV only); 0: none."""
-        wanted = self.device.type == "cuda" if config.pipeline_decode is None else config.pipeline_decode
-        if not wanted or config.shadowkv is None:
+        ShadowKV only); 0: none. With fp8 values a half's fetch is half as long, so it takes a larger batch to hide."""
+        if not choose(config.pipeline_decode, self.device.type == "cuda") or config.shadowkv is None:
             return 0
-        if config.pipeline_min_batch is not None:
-            return config.pipeline_min_batch
-        return 16 if config.shadowkv.value_format == "fp8" else 8
+        return choose(config.pipeline_min_batch, 16 if config.shadowkv.value_format == "fp8" else 8)
+
+    @property
+    def shadowkv(self) -> ShadowKVConfig | None:
+        """The ShadowKV config this engine's cache runs (its "auto" fields chosen); None for dense attention."""
+        return self.cache.shadow.config if isinstance(self.cache, HybridCache) else None
 
     # ---- requests in -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -92,7 +96,7 @@ class LLMEngine:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens})"
                              f" exceeds max_model_len ({self.max_model_len})")
-        if not self.cache.fits_when_empty(len(prompt_token_ids), params.max_tokens):
+        if not self.cache.manager.fits_when_empty(len(prompt_token_ids), params.max_tokens):
             gpu, host = self.footprint(len(prompt_token_ids), params.max_tokens)
             raise ValueError(f"prompt: this request needs {gpu} GPU and {host} host bytes, more than this engine "
                              "holds even when idle")
@@ -106,16 +110,39 @@ class LLMEngine:
         self.validate(token_ids, params)
         if not self.scheduler.can_enqueue():
             raise RuntimeError(f"the engine's waiting queue is full ({self.config.max_waiting} requests)")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, seed)
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self._next_seed(params.seed))
         self.scheduler.add(seq)
         self.requests[request_id] = seq
+
+    def fork(self, request_id: str, new_request_id: str) -> list[RequestOutput]:
+        """A new request that continues from a copy of a decoding request's state: its prompt, its tokens so far and
+        its cache (no prefill); its sampled tokens are drawn from a seed of its own. MemoryError if the cache has no
+        room for it, ValueError if the source is not decoding. Returns the outputs of the decode step that was in
+        flight (async decode), read back first so that the copy holds every token the source has: deliver them as a
+        step()'s. A source that finished in that step is not forked (new_request_id is then not among the requests)."""
+        src = self.requests.get(request_id)
+        if src is None or src.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"request_id: {request_id!r} is not decoding")
+        if new_request_id in self.requests:
+            raise ValueError(f"request_id: {new_request_id!r} is already in flight")
+        outputs = self.drain_in_flight()
+        if src.is_finished:
+            return outputs
+        seq = Sequence(next(self._seq_ids), new_request_id, src.prompt_token_ids, src.params, self._next_seed(None))
+        seq.output_token_ids, seq.text = list(src.output_token_ids), src.text
+        self.scheduler.start_running(seq)
+        self.cache.copy_sequence(src.seq_id, seq.seq_id)
+        self.requests[new_request_id] = seq
+        return outputs
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             seq.finish("abort")
             self._release(seq)
+
+    def _next_seed(self, seed: int | None) -> int:
+        return seed if seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step() has work: requests queued or running, or a decode step still to read back."""
@@ -238,7 +265,7 @@ class LLMEngine:
                     self._append(seq, token)
                     outputs.append(seq.output(1))
         for seq in job.release:
-            self.cache.free(seq.seq_id)
+            self.cache.manager.free(seq.seq_id)
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> None:
@@ -282,18 +309,9 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     # ---- what the server asks ----------------------------------------------------------------------------
-    @property
-    def geometry(self) -> mm.Geometry:
-        """The model's geometry for the memory model (what a request will cost, what a replica holds)."""
-        return mm.Geometry.from_spec(self.spec, next(self.model.parameters()).dtype)
-
-    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
-        """Whether a request of this shape could start now: its pool has room for everything it will need."""
-        return self.cache.can_allocate(prompt_len, max_tokens)
-
     def footprint(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
-        return self.cache.footprint(prompt_len, max_tokens)
+        return self.cache.manager.footprint(prompt_len, max_tokens)
 
     def close(self) -> None:
         """Abort everything and release the caches (pinned host memory included)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionMetadata, KVCache
+from ..cache.base import AttentionMetadata, KVCache
 from ..transfers import to_device
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
@@ -32,8 +32,7 @@ class PrefillJob:
             return None
         starts, lens = self.meta.query_starts, self.meta.query_lens
         rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep]).to(self.hidden.device)
-        meta = AttentionMetadata(True, [self.meta.seq_ids[i] for i in keep], [lens[i] for i in keep],
-                                 [0] * len(keep), self.meta.positions[rows])
+        meta = self.meta.subset(keep, self.meta.positions[rows])
         return PrefillJob([self.seqs[i] for i in keep], meta, self.hidden[rows], self.next_layer)
 
 

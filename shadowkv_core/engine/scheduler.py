@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..attention import KVCache
+from ..cache.base import CacheManager
 from .sequence import Sequence, SequenceStatus
 
 
@@ -25,14 +25,10 @@ class ScheduledStep:
     prefill: list[Sequence]
     decode: list[Sequence]
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_prefill_tokens: int, max_waiting: int):
-        self.cache = cache
+    def __init__(self, manager: CacheManager, max_num_seqs: int, max_prefill_tokens: int, max_waiting: int):
+        self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.max_waiting = max_waiting
@@ -71,14 +67,23 @@ class Scheduler:
                 continue
             if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
                 break
-            if not self.cache.can_allocate(seq.prompt_len, seq.params.max_tokens):
+            if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens):
                 break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
-            self.cache.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
+            self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.PREFILLING
             admitted.append(seq)
             tokens += seq.prompt_len
         return admitted
+
+    def start_running(self, seq: Sequence) -> None:
+        """A sequence that needs no prefill (a fork: its cache is copied in) joins the running batch at once; a
+        RuntimeError when the batch is full, a MemoryError when its cache does not fit."""
+        if len(self.running) >= self.max_num_seqs:
+            raise RuntimeError(f"the running batch is full ({self.max_num_seqs} sequences)")
+        self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Drop a finished or aborted sequence, and release its cache at once unless `free` is False (the caller
@@ -86,6 +91,6 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             if free:
-                self.cache.free(seq.seq_id)
+                self.manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import AttentionMetadata, KVCache
+from ..cache.base import AttentionMetadata, KVCache
 from .layers import DecoderLayer, RMSNorm, chunked
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec

@@ -14,7 +14,7 @@ from torch import nn
 from kernels.rmsnorm import rms_norm
 from kernels.swiglu import silu_mul
 
-from ..attention import AttentionMetadata, KVCache
+from ..cache.base import AttentionMetadata, KVCache
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec
 

@@ -1,4 +1,4 @@
-"""One engine's value store on the host (its shard): one large region allocated once, handed out in pages; and,
+"""One engine's value store on the host (its shard): one large region allocated once, addressed in pages; and,
 optionally, a second region of the same pages in device memory (ShadowKVConfig.device_value_share).
 
 A page holds the values of `page_tokens` consecutive tokens of one sequence for every layer: in the model's dtype,
@@ -7,8 +7,8 @@ cudaHostRegister, so the GPU can read it directly (zero-copy, over unified virtu
 allocator is not used because it rounds every allocation up to a power of two.
 
 Page ids: host pages are 0 .. num_pages - 1; device pages follow, num_pages .. num_pages + num_device_pages - 1.
-A sequence's page table mixes both (its first pages on the device, see `alloc`); fetch_values reads each page from
-where it lies.
+A sequence's page table mixes both (its first pages on the device: manager.ShadowKVManager hands them out);
+fetch_values reads each page from where it lies.
 """
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ import weakref
 import torch
 
 from shadowkv_core.numa import NumaPlacement, load_libnuma
-from shadowkv_core.shadowkv.pages import PagePool
 from shadowkv_core.shadowkv.reference import (FP8, dequantize_values, gather_scales, gather_values,
                                               quantize_values)
 
 OS_PAGE = 4096
 
 
-class HostValueStore(PagePool):
+class HostValueStore:
     def __init__(self, num_layers: int, num_pages: int, page_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool | None = None, placement: NumaPlacement | None = None,
                  value_format: str = "model", chunk_size: int = 1, num_device_pages: int = 0,
@@ -45,30 +44,17 @@ class HostValueStore(PagePool):
         per_layer = page_tokens * num_kv_heads * head_dim * self.values.element_size()
         if self.fp8:
             per_layer += math.prod(self.scales_shape[2:]) * self.scales.element_size()
-        super().__init__(num_pages, num_layers * per_layer, f"pages of {page_tokens} tokens in the host value store")
-        self.device_pages = PagePool(num_device_pages, num_layers * per_layer,
-                                     f"pages of {page_tokens} tokens in the device value store")
+        self.num_pages, self.num_device_pages = num_pages, num_device_pages
+        self.page_bytes = num_layers * per_layer
         device_shape = (num_layers, num_device_pages, *self.shape[2:])
         self.device_values = torch.zeros(device_shape, dtype=self.values.dtype, device=device)
         self.device_scales = torch.zeros((num_layers, num_device_pages, *self.scales_shape[2:]), dtype=torch.float32,
                                          device=device) if self.fp8 else None
 
-    # ---- pages: the first `on_device` of a sequence's pages in the device region, the others on the host ----
-
-    def alloc(self, n: int, on_device: int = 0) -> list[int]:
-        """A sequence's n pages, its first `on_device` of them in the device region; MemoryError, nothing taken, if
-        either region lacks room."""
-        if n - on_device > self.num_free:
-            super().alloc(n - on_device)  # raises, naming the host pages
-        device = [self.num_pages + p for p in self.device_pages.alloc(on_device)]
-        return device + super().alloc(n - on_device)
-
-    def free(self, pages: list[int]) -> None:
-        self.device_pages.free([p - self.num_pages for p in pages if p >= self.num_pages])
-        super().free([p for p in pages if p < self.num_pages])
-
     def copy_page(self, src: int, dst: int) -> None:
         """Page src's values (every layer) into page dst, in whichever regions the two lie."""
+        if self._written is not None:
+            self._written.synchronize()
         (src_values, src_scales, s), (dst_values, dst_scales, d) = self._page(src), self._page(dst)
         dst_values[:, d] = src_values[:, s].to(dst_values.device)
         if self.fp8:
@@ -85,7 +71,7 @@ class HostValueStore(PagePool):
         lies here) for the host region, then the device region if it has pages."""
         on_device = table >= self.num_pages
         yield self.values, self.scales, torch.where(on_device, 0, table), ~on_device
-        if self.device_pages.num_pages:
+        if self.num_device_pages:
             yield self.device_values, self.device_scales, torch.where(on_device, table - self.num_pages, 0), on_device
 
     def _allocate_region(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,7 +151,7 @@ class HostValueStore(PagePool):
 
     def device_region(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One layer of the device region: its values and fp8 scales, as the host's; None when it has no pages."""
-        if not self.device_pages.num_pages:
+        if not self.num_device_pages:
             return None
         return self.device_values[layer], self.device_scales[layer] if self.fp8 else None
 

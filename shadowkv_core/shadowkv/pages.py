@@ -1,14 +1,15 @@
 """GPU pages of the shadow: U rows and landmarks, one page table per sequence for both.
 
 A page holds, for every layer, the U rows of `page_chunks * chunk_size` consecutive tokens and the landmarks of
-those `page_chunks` chunks. Host value pages (host_store.py) cover the same tokens, so a sequence needs as many of
-each; the two kinds are allocated from separate pools because they live in different memories.
+those `page_chunks` chunks. Value pages (host_store.py) cover the same tokens, so a sequence needs as many of each;
+the two kinds are handed out from separate pools (manager.py) because they live in different memories.
 """
 from __future__ import annotations
 
 import torch
 
-from shadowkv_core.dense_cache import BlockAllocator
+from shadowkv_core.cache.base import CacheSpec
+from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.shadowkv.reference import FP8, quantize_values
 
 
@@ -17,45 +18,34 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
     return table[rows // page_rows], rows % page_rows
 
 
-class PagePool(BlockAllocator):
-    """A pool of fixed-size pages of a sequence's tokens (GPU shadow pages, host value pages)."""
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_blocks
-
-    @property
-    def page_bytes(self) -> int:
-        return self.unit_bytes
-
-
-class GpuPages(PagePool):
-    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (fp8: and their scales
+class GpuPages:
+    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (fp8 landmarks: and their scales
     (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv) uint8, 1 where the chunk is one of its KV head's outliers
     (kept exact in the slot, so never scored): the scoring kernel reads one byte beside each landmark instead of
     comparing every chunk with the outlier list."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_chunks: int, chunk_size: int, rank: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 landmark_format: str = "model"):
-        """landmark_format "fp8": landmarks as e4m3 with one fp32 scale per chunk and KV head (landmark_scales)."""
-        self.page_chunks = page_chunks
-        self.page_tokens = page_chunks * chunk_size
-        self.u = torch.zeros(num_layers, num_pages, self.page_tokens, rank, dtype=dtype, device=device)
-        fp8 = landmark_format == "fp8"
-        self.landmarks = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, head_dim,
-                                     dtype=FP8 if fp8 else dtype, device=device)
-        self.landmark_scales = torch.ones(num_layers, num_pages, page_chunks, num_kv_heads, device=device) \
-            if fp8 else None
-        self.outlier_flags = torch.zeros(num_layers, num_pages, page_chunks, num_kv_heads, dtype=torch.uint8,
-                                         device=device)
-        page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.buffers)
-        super().__init__(num_pages, page_bytes, f"GPU shadow pages of {self.page_tokens} tokens")
+    def __init__(self, spec: CacheSpec, config: ShadowKVConfig, num_pages: int):
+        L, Hkv, d, dev = spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.device
+        self.num_pages = num_pages
+        self.page_chunks = page_chunks = config.page_chunks
+        self.page_tokens = page_chunks * config.chunk_size
+        self.u = torch.zeros(L, num_pages, self.page_tokens, config.rank, dtype=spec.dtype, device=dev)
+        fp8 = config.landmark_format == "fp8"
+        self.landmarks = torch.zeros(L, num_pages, page_chunks, Hkv, d, dtype=FP8 if fp8 else spec.dtype, device=dev)
+        self.landmark_scales = torch.ones(L, num_pages, page_chunks, Hkv, device=dev) if fp8 else None
+        self.outlier_flags = torch.zeros(L, num_pages, page_chunks, Hkv, dtype=torch.uint8, device=dev)
+        self.page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.buffers)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         """Every per-page tensor, each (L, num_pages, ...)."""
         return [t for t in (self.u, self.landmarks, self.landmark_scales, self.outlier_flags) if t is not None]
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Pages src (every layer, every buffer) into pages dst."""
+        src_ids, dst_ids = (torch.tensor(p, device=self.u.device) for p in (src, dst))
+        for buf in self.buffers:
+            buf[:, dst_ids] = buf[:, src_ids]
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
         """U rows (n, r) of tokens [start, start + n)."""

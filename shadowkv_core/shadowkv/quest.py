@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shadowkv_core.shadowkv.slots import SequenceState
+from shadowkv_core.shadowkv.manager import SequenceState
 
 
 def chunk_bounds(k_rot: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
