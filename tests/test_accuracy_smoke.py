@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.accuracy import run
-from benchmarks.longctx_data import make_sample, score
+from training.data import make_sample, score
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "shadowkv-small"
 

@@ -1,7 +1,7 @@
 """The synthetic long-context tasks: deterministic, exact lengths, the answer's needle where the sample says."""
 import pytest
 
-from benchmarks.longctx_data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
+from training.data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
 
 
 @pytest.mark.parametrize("task", TASKS)
