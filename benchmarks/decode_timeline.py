@@ -21,10 +21,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks import step_breakdown
 from benchmarks import throughput as tp
-from benchmarks.memory_model import _spec, write_config
 from benchmarks.report import RESULTS, environment
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.models.geometry import model_spec, write_config
 
 HOST_PHASES = {"timeline:step": "engine step", "timeline:prepare": "caches prepare the forward",
                "timeline:graph": "graph inputs, launch, outputs", "timeline:finish": "caches finish the forward"}
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     assert torch.cuda.is_available(), "the timeline is of CUDA streams and graphs"
     max_new = 256
     config_dir = write_config(tp.geometry_config(args.model, args.context + max_new))
-    g = mm.Geometry.from_spec(_spec(config_dir), torch.bfloat16)
+    g = mm.Geometry.from_spec(model_spec(config_dir), torch.bfloat16)
     cfg = ShadowKVConfig()
     gpu = int(torch.cuda.mem_get_info()[1] * 0.9)
     host = int(mm.mem_available_bytes() * 0.8)

@@ -183,7 +183,7 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
 
 def drained_snapshot(app: str) -> dict:
     """The engine's bytes and requests in use and its process RSS, once it has drained."""
-    from benchmarks.local_service import wait_drained
+    from serve_app.local import wait_drained
 
     stats = wait_drained(app, within_s=30)
     return {k: stats[k] for k in ("num_running", "num_held", "gpu_bytes_in_use", "host_bytes_in_use", "rss_bytes")}
@@ -218,7 +218,7 @@ def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int, rss_every
     after the warm-up (the baseline) and after every round."""
     import yaml
 
-    from benchmarks.local_service import local_service
+    from serve_app.local import local_service
 
     app = yaml.safe_load(config.read_text())["applications"][0]
     args = {**app["args"], "model": str(ROOT / app["args"]["model"])}

@@ -1,7 +1,6 @@
 """benchmarks/throughput.py on a tiny geometry on CPU: the script runs end to end and its shortcut is honest (a cloned
 sequence decodes exactly what its source decodes). No speed is asserted; one test checks how a step is timed, on a
 stand-in engine."""
-import dataclasses
 import importlib.util
 import json
 import os
@@ -10,12 +9,11 @@ import time
 import pytest
 import torch
 
-from benchmarks import hf_baseline, perf_model
+from benchmarks import hf_baseline
 from benchmarks import throughput as tp
-from benchmarks.memory_model import TINY_SHADOWKV, _spec, write_config
-from benchmarks.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.models.geometry import TINY_SHADOWKV, model_spec, write_config
 
 
 def test_hf_static_cache_decodes_the_same_tokens_as_its_dynamic_cache():
@@ -68,7 +66,7 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     """With a host budget of about two sequences' values and room on the "device", _tiered picks a share > 0 that
     holds more sequences, and its misses are partly read from the device region (the reference path on CPU)."""
     model = write_config(tp.geometry_config("tiny", 1024))
-    g = mm.Geometry.from_spec(_spec(model), torch.float32)
+    g = mm.Geometry.from_spec(model_spec(model), torch.float32)
     host_gib = 2.5 * mm.seq_bytes(g, TINY_SHADOWKV, 512, 24).host / mm.GIB
     args = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "3", "--warmup-steps", "1",
             "--profile-steps", "1", "--max-new-tokens", "24", "--host-gib", str(host_gib), "--max-batch", "4",
@@ -90,45 +88,6 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     assert swept["summary"][0]["shadowkv_tiered_pipelined_device_value_share"] == best["device_value_share"]
     held = [max(r["batch"] for r in swept["rows"] if r["device_value_share"] == x) for x in (0.25, 0.75)]
     assert held[1] > held[0]  # the host bounds the batch here: less of each sequence on it holds more sequences
-
-
-def test_performance_model_at_122k():
-    g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig(device_value_share=0.0)
-    copy, h2d = 4.28e12, 55.2e9
-    assert infinite_memory_tok_s(g, 122880, copy) == pytest.approx(265, rel=0.01)  # 16.1 GB of K+V per token
-    assert 8 / dense_floor_s(g, 122880, 8, copy) < infinite_memory_tok_s(g, 122880, copy)
-    # DESIGN.md: at a 60 % hit rate PCIe (~52 MiB per sequence per step) outweighs HBM; all hits leaves HBM only
-    pcie_bound = shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_bound == pytest.approx(8 * 0.4 * 256 * 8 * 32 * 2048 / h2d, rel=1e-6)
-    assert shadowkv_floor_s(g, cfg, 122880, 8, 1.0, copy, h2d) < shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d)
-    # fp8 values: one byte per value and a 4-byte scale per chunk and KV head over PCIe
-    fp8 = dataclasses.replace(cfg, value_format="fp8")
-    pcie_fp8 = shadowkv_floor_s(g, fp8, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_fp8 == pytest.approx(8 * 0.4 * 256 * 8 * 32 * (1024 + 4) / h2d, rel=1e-6)
-    # a device value share: that share of the misses' values read over HBM instead of PCIe
-    tiered = dataclasses.replace(fp8, device_value_share=0.25)
-    pcie_tiered = shadowkv_floor_s(g, tiered, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_tiered == pytest.approx(0.75 * pcie_fp8, rel=1e-6)
-
-
-def test_floor_at_each_device_value_share(tmp_path):
-    """perf_model's share table: each row is the memory model's largest batch at that share and the floor there; a
-    larger share moves fewer PCIe bytes per sequence and, once the device binds, holds no more sequences."""
-    out = tmp_path / "shares.json"
-    rows = perf_model.main(["--shares", "0.1875", "0.375", "0.5", "--out", str(out)])
-    g = mm.PRESETS["llama-3.1-8b"]
-    cfg = ShadowKVConfig(value_format="fp8", landmark_format="fp8", device_value_share=0.0)
-    for r in rows:
-        shared = dataclasses.replace(cfg, device_value_share=r["device_value_share"])
-        assert r["batch"] == mm.capacity(g, shared, 135098892288, 107037520691, [122880], 256)
-        floor = shadowkv_floor_s(g, shared, 122880, r["batch"], 0.021, 4226.8e9, 55.44e9)
-        assert r["floor_ms"] == pytest.approx(1e3 * floor) and r["floor_tok_s"] == pytest.approx(r["batch"] / floor)
-        assert r["floor_ms"] == pytest.approx(max(r["hbm_ms"], r["pcie_ms"]) + r["weights_ms"])
-    assert [r["batch"] for r in rows] == sorted((r["batch"] for r in rows), reverse=True)
-    per_sequence = [r["pcie_ms"] / r["batch"] for r in rows]
-    assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[-1]
-    saved = json.loads(out.read_text())
-    assert saved["rows"] == rows and saved["command"].startswith("python -m benchmarks.perf_model --shares")
 
 
 def test_run_isolated_runs_in_another_process_and_raises_its_errors():

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from model_factory import FAMILIES, build_tiny_hf_model
+from support.model_factory import FAMILIES, build_tiny_hf_model
 from shadowkv_core import LLMEngine, EngineConfig, ShadowKVConfig
 from shadowkv_core import memory_model as mm
 from shadowkv_core.models import load_model

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.load import LoadConfig, load_in_rounds, run_load, warm_up
-from serve_fixtures import assert_engine_drains, local_service
+from serve_app.local import local_service
 from shadowkv_core.tiny_model import build_tiny_model
+from support.serve import assert_engine_drains
 
 pytestmark = pytest.mark.slow
 APP = "load"

@@ -11,10 +11,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from benchmarks.edge_shedding import send_at_once
-from serve_fixtures import assert_engine_drains, engine_stats, local_service
+from serve_app.local import engine_stats, local_service
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
+from support.burst import send_at_once
+from support.serve import assert_engine_drains
 
 APP = "shadowkv"
 MODEL = "tiny"

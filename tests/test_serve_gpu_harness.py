@@ -1,22 +1,12 @@
-"""benchmarks/serve_gpu.py and benchmarks/autoscale_timeline.py's helpers, on CPU without Ray: the random-weight model
-directory, prod.yaml's args with a profile's overrides, and the arithmetic of streams, bursts and timelines."""
+"""benchmarks/serve_gpu.py and benchmarks/autoscale_timeline.py's helpers, on CPU without Ray: prod.yaml's args with a
+profile's overrides, and the arithmetic of streams, bursts and timelines."""
 import pytest
 from ray.serve.config import AutoscalingConfig
 
 from benchmarks.autoscale_timeline import requests_per_replica, summary
-from benchmarks.memory_model import TINY
-from benchmarks.serve_gpu import CPU, GPU, app_args, burst_summary, summarize_streams, write_geometry
-from serve_app.app import AppArgs, replica_options, resolve_model
+from benchmarks.serve_gpu import CPU, GPU, app_args, burst_summary, summarize_streams
+from serve_app.app import AppArgs, replica_options
 from serve_app.metrics import ServiceMetrics
-
-
-def test_geometry_directory_streams_every_token_as_one_word():
-    from transformers import AutoTokenizer
-
-    model = write_geometry(TINY)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    assert tokenizer.decode([5, TINY["vocab_size"] - 1, 0], skip_special_tokens=True) == "t5 t511 t0"
-    assert resolve_model(AppArgs(**app_args(CPU, model))) == model  # a checkpoint under load_format dummy
 
 
 @pytest.mark.parametrize("profile", [GPU, CPU], ids=["two-h200", "cpu-rehearsal"])
