@@ -1,4 +1,5 @@
-"""shadowkv_core/perf_model.py: the floor of a decode step from the bytes it must move."""
+"""shadowkv_core/perf_model.py: the floor of a decode step from the bytes it must move, checked against the bytes
+counted by hand for Llama-3.1-8B at 122880 tokens."""
 import dataclasses
 import json
 
@@ -8,9 +9,13 @@ from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
 from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, main, shadowkv_floor_s
 
+G8B = mm.PRESETS["llama-3.1-8b"]
+WEIGHT_BYTES = 8_030_261_248 * 2  # Llama-3.1-8B's parameters in bf16
+KV_WIDTH = 8 * 128  # KV heads x head_dim
+
 
 def test_performance_model_at_122k():
-    g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig(device_value_share=0.0)
+    g, cfg = G8B, ShadowKVConfig(device_value_share=0.0)
     copy, h2d = 4.28e12, 55.2e9
     assert infinite_memory_tok_s(g, 122880, copy) == pytest.approx(265, rel=0.01)  # 16.1 GB of K+V per token
     assert 8 / dense_floor_s(g, 122880, 8, copy) < infinite_memory_tok_s(g, 122880, copy)
@@ -32,16 +37,26 @@ def test_floor_at_each_device_value_share(tmp_path):
     """The CLI's share table: each row is the memory model's largest batch at that share and the floor there; a
     larger share moves fewer PCIe bytes per sequence and, once the device binds, holds no more sequences."""
     out = tmp_path / "shares.json"
-    rows = main(["--shares", "0.1875", "0.375", "0.5", "--hit-rate", "0.021", "--gpu-bytes", "135098892288",
-                 "--host-bytes", "107037520691", "--copy-gbps", "4226.8", "--h2d-gbps", "55.44", "--out", str(out)])
-    g = mm.PRESETS["llama-3.1-8b"]
-    cfg = ShadowKVConfig(value_format="fp8", landmark_format="fp8", device_value_share=0.0)
+    hit, gpu, host, copy_gbps, h2d_gbps = 0.021, 135098892288, 107037520691, 4226.8, 55.44
+    rows = main(["--shares", "0.1875", "0.375", "0.5", "--hit-rate", str(hit), "--gpu-bytes", str(gpu),
+                 "--host-bytes", str(host), "--copy-gbps", str(copy_gbps), "--h2d-gbps", str(h2d_gbps),
+                 "--out", str(out)])
+    fp8 = ShadowKVConfig(value_format="fp8", landmark_format="fp8", device_value_share=0.0)
+    misses = (1 - hit) * 256  # of the 256 chunks a KV head selects
+    chunk_values = 8 * KV_WIDTH + 8 * 4  # one chunk of every KV head, fp8, and its scales
     for r in rows:
-        shared = dataclasses.replace(cfg, device_value_share=r["device_value_share"])
-        assert r["batch"] == mm.capacity(g, shared, 135098892288, 107037520691, [122880], 256)
-        floor = shadowkv_floor_s(g, shared, 122880, r["batch"], 0.021, 4226.8e9, 55.44e9)
-        assert r["floor_ms"] == pytest.approx(1e3 * floor) and r["floor_tok_s"] == pytest.approx(r["batch"] / floor)
-        assert r["floor_ms"] == pytest.approx(max(r["hbm_ms"], r["pcie_ms"]) + r["weights_ms"])
+        share, batch = r["device_value_share"], r["batch"]
+        assert batch == mm.capacity(G8B, dataclasses.replace(fp8, device_value_share=share), gpu, host, [122880], 256)
+        # per layer and sequence, by hand: landmarks of every chunk, the exact K and V of the selected, outlier and
+        # local chunks, the missed chunks' U rows (rank 160), and the missed values kept on the device
+        hbm = 2 * KV_WIDTH * 122880 / 8 + 2 * 2 * KV_WIDTH * (256 + 48 + 4) * 8 + misses * 8 * 8 * 160 * 2
+        hbm += share * misses * chunk_values
+        pcie = (1 - share) * misses * chunk_values
+        hbm_ms, pcie_ms = (1e3 * 32 * batch * b / (gbps * 1e9) for b, gbps in ((hbm, copy_gbps), (pcie, h2d_gbps)))
+        weights_ms = 1e3 * WEIGHT_BYTES / (copy_gbps * 1e9)
+        assert (r["hbm_ms"], r["pcie_ms"], r["weights_ms"]) == pytest.approx((hbm_ms, pcie_ms, weights_ms))
+        floor_ms = max(hbm_ms, pcie_ms) + weights_ms
+        assert r["floor_ms"] == pytest.approx(floor_ms) and r["floor_tok_s"] == pytest.approx(1e3 * batch / floor_ms)
     assert [r["batch"] for r in rows] == sorted((r["batch"] for r in rows), reverse=True)
     per_sequence = [r["pcie_ms"] / r["batch"] for r in rows]
     assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[-1]
