@@ -30,8 +30,8 @@ from training.data import TASKS, make_sample, score
 from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 
 # The paper keeps 48 outlier chunks at 128K (0.3 %); scaled down to 2K-16K that is 1-6 chunks, too few for the
-# attention sinks and the heads whose keys stray from their landmarks (at 3K a single outlier chunk loses needles
-# even with exact keys, 8 chunks lose none). Both sparse methods keep these 8 chunks; the budget counts the rest.
+# attention sinks and the heads whose keys stray from their landmarks (docs/accuracy.md). Both sparse methods keep
+# these 8 chunks; the budget counts the rest.
 OUTLIER_CHUNKS = 8
 HEATMAP_BUDGET = 0.0156
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room

@@ -1,7 +1,7 @@
-"""Issues 7 and 9 on a host with two GPUs, in one command: the service built from configs/prod.yaml against the
-engine alone, an overload burst, and an autoscaling timeline from one replica to two and back.
+"""The service on a host with two GPUs, in one command: the service built from configs/prod.yaml against the engine
+alone, an overload burst, and an autoscaling timeline from one replica to two and back.
 
-The model is Llama-3.1-8B's geometry with random weights (benchmarks.memory_model.LLAMA_31_8B, load_format dummy),
+The model is Llama-3.1-8B's geometry with random weights (shadowkv_core.models.geometry.LLAMA_31_8B, load_format dummy),
 written to a temporary directory with a word-level tokenizer over its whole vocabulary ("t0" ... "t128255"), so that
 every generated token streams as one word of text; prompts are token ids. prod.yaml's application args are used with
 the profile's overrides (GPU: load_format dummy, a 36 GiB host value store, 1..2 replicas, upscale / downscale after
@@ -15,7 +15,7 @@ alone (its traceback recorded):
                 once, each over its own connection: per request its status, latency, Retry-After and whether the
                 proxy's edge shedding answered it; every admitted one completed, the engines drained to zero),
                 then a bounded load of `load.users` clients, then the tail until the replicas are back to one.
-    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, under 7 minutes
+    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, within the profile's budget
     PYTHONPATH=$PWD python -m benchmarks.serve_gpu --cpu --out DIR    # the same on CPU with the tiny geometry
 Writes serve_gpu.json, autoscale_gpu.json, autoscale_gpu.png and ray_logs.tar.gz under --out.
 """

@@ -197,9 +197,8 @@ def test_overload_rejects_the_excess_at_once_and_completes_the_rest(url):
 
 
 def test_edge_sheds_a_burst_of_large_bodies_at_once_with_retry_after(url):
-    """15 times capacity at once, each request 232 KB of JSON over its own connection (as on the GPU, where the
-    client got the edge's 429s only after seconds: it sent through one httpx client, whose pool issued the requests
-    one after another): the proxy answers the excess itself, fast, its unread bodies holding nothing back."""
+    """16 times capacity at once, each request 232 KB of JSON over its own connection (one shared httpx client would
+    issue them one after another): the proxy answers the excess itself, its unread bodies holding nothing back."""
     assert_engine_drains(APP, within_s=5.0)
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
             "user": "x" * 232_000}

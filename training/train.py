@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every stage's step count")
     parser.add_argument("--max-minutes", type=float, default=7.0, help="stop training (and say so) past this")
     parser.add_argument("--key-rank-weight", type=float, default=0.0,
-                        help="weight of the key low-rank regulariser (0: none, the shipped model; 1 was tried)")
+                        help="weight of the key low-rank regulariser (0: none, as the shipped model)")
     parser.add_argument("--landmark-weight", type=float, default=0.0,
                         help="weight of the landmark divergence at answer positions (0: none)")
     parser.add_argument("--rank-attention-weight", type=float, default=0.0,
