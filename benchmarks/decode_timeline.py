@@ -140,7 +140,7 @@ def profiled_row(args: argparse.Namespace) -> dict:
         tp.warm_up(engine, args.context)
         tp.prefill(engine, tp.random_prompt(g.vocab_size, args.context), max_new, "cuda")
         while len(engine.requests) < args.batch:
-            tp.clone_request(engine, "r0", f"r{len(engine.requests)}")
+            engine.fork("r0", f"r{len(engine.requests)}")
         times, _ = tp.time_decode(engine, 8, 2)  # captures the graph; the timed steps replay it
         for obj, name, phase in ((engine, "step", "step"), (engine.cache, "prepare_forward", "prepare"),
                                  (engine.runner.graphs, "run", "graph"), (engine.cache, "finish_forward", "finish")):
