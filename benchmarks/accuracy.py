@@ -1,6 +1,6 @@
 """Accuracy of the shipped model through our engine: dense attention, ShadowKV and a Quest-style baseline.
 
-RULER-style tasks (benchmarks/longctx_data.py, evaluation seeds, held-out text) at several contexts and a
+RULER-style tasks (training/data.py, evaluation seeds, held-out text) at several contexts and a
 needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's
 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse budgets as fractions of the context. Quest selects chunks by
 per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
@@ -23,18 +23,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.longctx_data import TASKS, make_sample, score
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.models.loader import read_config
 from shadowkv_core.shadowkv.quest import QuestScorer
+from training.data import TASKS, make_sample, score
+from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 
-RANK_SHARE = 160 / 1024  # the paper's rank over Llama-3-8B's kv_heads*head_dim
 # The paper keeps 48 outlier chunks at 128K (0.3 %); scaled down to 2K-16K that is 1-6 chunks, too few for the
-# attention sinks and the heads whose keys stray from their landmarks (at 3K a single outlier chunk loses needles
-# even with exact keys, 8 chunks lose none). Both sparse methods keep these 8 chunks; the budget counts the rest.
+# attention sinks and the heads whose keys stray from their landmarks (docs/accuracy.md). Both sparse methods keep
+# these 8 chunks; the budget counts the rest.
 OUTLIER_CHUNKS = 8
-CHUNK = 8  # tokens per chunk, as the paper
-LOCAL_CHUNKS = 4  # chunks at the end of the prompt attended exactly
 HEATMAP_BUDGET = 0.0156
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 

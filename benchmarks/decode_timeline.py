@@ -6,6 +6,7 @@ between fetches and after its last. step_breakdown.py sums kernel time over eage
 kernels, which kernel sums cannot.
 
     PYTHONPATH=. python -m benchmarks.decode_timeline [--context 122880] [--batch 31] [--label NAME]
+    PYTHONPATH=. python -m benchmarks.decode_timeline --analyse TRACE [--label NAME]   # a kept trace, no GPU
 
 Each run adds (or replaces) its label's row in --out, so runs of different code compare side by side.
 """
@@ -21,10 +22,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks import step_breakdown
 from benchmarks import throughput as tp
-from benchmarks.memory_model import _spec, write_config
 from benchmarks.report import RESULTS, environment
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.models.geometry import model_spec, write_config
 
 HOST_PHASES = {"timeline:step": "engine step", "timeline:prepare": "caches prepare the forward",
                "timeline:graph": "graph inputs, launch, outputs", "timeline:finish": "caches finish the forward"}
@@ -113,15 +114,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--label", default="current", help="this run's row in --out (replaced if there)")
     parser.add_argument("--out", default="decode_timeline.json", help="relative paths land in benchmarks/results/")
     parser.add_argument("--trace", default=None, help="also keep the chrome trace here")
+    parser.add_argument("--analyse", default=None, metavar="TRACE",
+                        help="profile nothing: read this chrome trace (one kept with --trace) into the label's row")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def trace_events(path: Path) -> list[dict]:
+    trace = json.loads(path.read_text())
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def profiled_row(args: argparse.Namespace) -> dict:
+    """Profile the decode steps on the GPU: the run's row, its steps read from the trace."""
     assert torch.cuda.is_available(), "the timeline is of CUDA streams and graphs"
     max_new = 256
     config_dir = write_config(tp.geometry_config(args.model, args.context + max_new))
-    g = mm.Geometry.from_spec(_spec(config_dir), torch.bfloat16)
+    g = mm.Geometry.from_spec(model_spec(config_dir), torch.bfloat16)
     cfg = ShadowKVConfig()
     gpu = int(torch.cuda.mem_get_info()[1] * 0.9)
     host = int(mm.mem_available_bytes() * 0.8)
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         tp.warm_up(engine, args.context)
         tp.prefill(engine, tp.random_prompt(g.vocab_size, args.context), max_new, "cuda")
         while len(engine.requests) < args.batch:
-            tp.clone_request(engine, "r0", f"r{len(engine.requests)}")
+            engine.fork("r0", f"r{len(engine.requests)}")
         times, _ = tp.time_decode(engine, 8, 2)  # captures the graph; the timed steps replay it
         for obj, name, phase in ((engine, "step", "step"), (engine.cache, "prepare_forward", "prepare"),
                                  (engine.runner.graphs, "run", "graph"), (engine.cache, "finish_forward", "finish")):
@@ -146,20 +154,28 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.trace or Path(tmp) / "trace.json")
         prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    steps = analyse(trace["traceEvents"] if isinstance(trace, dict) else trace)
+        steps = analyse(trace_events(path))
     row = {"label": args.label, "model": args.model, "context": args.context, "batch": args.batch,
            "method": args.method, "device_value_share": tier, "environment": environment(),
            "step_p50_ms": tp.percentile(times, 0.5) * 1e3, "decode_tok_s": args.batch * len(times) / sum(times),
            "steps": steps}
+    print(f"{args.label}: {row['step_p50_ms']:.2f} ms a step, {row['decode_tok_s']:.1f} tok/s")
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.analyse:
+        row = {"label": args.label, "trace": args.analyse, "steps": analyse(trace_events(Path(args.analyse)))}
+    else:
+        row = profiled_row(args)
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     rows = [r for r in rows if r["label"] != args.label] + [row]
     out.write_text(json.dumps({"host_phases": HOST_PHASES, "rows": rows}, indent=1) + "\n")
-    last = steps[-1]
-    print(f"{args.label}: {row['step_p50_ms']:.2f} ms a step, {row['decode_tok_s']:.1f} tok/s; last profiled step: "
-          f"first device work after {last['first_device_work_ms']} ms, device busy {last['device_busy_ms']} of "
-          f"{last['host_ms']} ms; fetch {last.get('fetch')}")
+    last = row["steps"][-1]
+    print(f"{args.label}, last step: first device work after {last['first_device_work_ms']} ms, device busy "
+          f"{last['device_busy_ms']} of {last['host_ms']} ms; fetch {last.get('fetch')}")
     return row
 
 

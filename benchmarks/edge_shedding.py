@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
 import tempfile
 import time
-from typing import Callable
 
 import httpx
 
 from benchmarks.load import percentile
-from benchmarks.local_service import local_service, wait_drained
 from benchmarks.report import print_table, write_json
-from serve_app.edge import EDGE_ENV, SHED_HEADER
+from serve_app.edge import EDGE_ENV
+from serve_app.local import local_service, wait_drained
 from shadowkv_core.tiny_model import build_tiny_model
+from tests.support.burst import send_at_once
 
 SLOTS = 2
 HOLD_TOKENS = 3000  # the holding streams outlast the probes
@@ -67,40 +66,6 @@ async def probe(url: str, probes: int) -> list[tuple[int, float, bool]]:
 
 
 # ---- a burst (also benchmarks/serve_gpu.py's) -------------------------------------------------------------------
-async def send_at_once(url: str, content: bytes, n: int, timeout_s: float, shared_client: bool = False,
-                       on_reply: Callable[[dict], None] | None = None) -> list[dict]:
-    """`n` POSTs of the JSON `content` to /v1/completions at once, over connections opened beforehand; per request:
-    status, latency `s` from its own send, `sent_s` (its send after the first's), `edge` (answered by the proxy's
-    edge shedding), Retry-After, completion tokens. One httpx client per request unless `shared_client`: one
-    AsyncClient's pool hands concurrent requests to its connections one after another, at a cost that grows with the
-    requests pending (~20-30 ms each at ~100), so the last ones would be measured waiting for the client."""
-    headers = {"content-type": "application/json"}
-    timeout = httpx.Timeout(timeout_s, connect=10)
-    async with contextlib.AsyncExitStack() as stack:
-        if shared_client:
-            one = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=n))
-            clients = [await stack.enter_async_context(one)] * n
-        else:
-            clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout))
-                       for _ in range(n)]
-        await asyncio.gather(*(client.get("/health") for client in clients))  # open the connections
-        requests = [client.build_request("POST", "/v1/completions", content=content, headers=headers)
-                    for client in clients]
-        start = time.monotonic()
-
-        async def one(client: httpx.AsyncClient, request: httpx.Request) -> dict:
-            sent = time.monotonic()
-            r = await client.send(request)
-            reply = {"status": r.status_code, "s": time.monotonic() - sent, "sent_s": sent - start,
-                     "edge": r.headers.get(SHED_HEADER) == "edge", "retry_after": r.headers.get("Retry-After"),
-                     "completion_tokens": r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None}
-            if on_reply is not None:
-                on_reply(reply)
-            return reply
-
-        return await asyncio.gather(*(one(client, request) for client, request in zip(clients, requests)))
-
-
 def burst_summary(replies: list[dict], max_wait_s: float, max_tokens: int) -> dict:
     """Admitted and completed; 429s from the edge (their ms p50 / p99 / max), from the ingress at once and after its
     bounded wait; Retry-After on every 429; how long the client took to send them all."""

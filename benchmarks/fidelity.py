@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import RANK_SHARE, device_name, shadowkv_config
-from benchmarks.longctx_data import BOS, TASKS, load_corpus, make_sample
-from benchmarks.train_small_model import KeyCapture, key_tail
+from benchmarks.accuracy import device_name, shadowkv_config
 from shadowkv_core import LLM
 from shadowkv_core.cache.base import AttentionMetadata
+from training.data import BOS, TASKS, load_corpus, make_sample
+from training.objectives import RANK_SHARE, KeyCapture, key_tail
 
 
 def held_out_tokens(seed: int, length: int) -> list[int]:

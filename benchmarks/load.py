@@ -24,7 +24,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog while long context serving keeps its cache in shadows".split()
-# (share, words from, words to): short, medium, long; with the shipped model ~4 tokens a word, so up to ~3K tokens
+# (share, words from, words to): short, medium and long prompts for the shipped model (byte-level: a word is a few
+# tokens), the longest within configs/local.yaml's max_model_len
 MIX = ((0.6, 4, 32), (0.3, 100, 300), (0.1, 400, 750))
 PEAK_TOKEN_ID = 42  # the peak burst's prompts are token ids (so their length is exact); every model here has this one
 
@@ -125,13 +126,6 @@ async def drive(cfg: LoadConfig) -> list[Outcome]:
     return outcomes
 
 
-async def run_load(cfg: LoadConfig) -> dict:
-    """The load, then its summary."""
-    start = time.monotonic()
-    outcomes = await drive(cfg)
-    return summarize(outcomes, time.monotonic() - start)
-
-
 async def peak_burst(cfg: LoadConfig) -> list[Outcome]:
     """`concurrency` requests at once, each as long as the model takes (prompt token ids + max_tokens =
     max_model_len): what the mix can hold at most, held together once. The engine's host value store is touched
@@ -183,7 +177,7 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
 
 def drained_snapshot(app: str) -> dict:
     """The engine's bytes and requests in use and its process RSS, once it has drained."""
-    from benchmarks.local_service import wait_drained
+    from serve_app.local import wait_drained
 
     stats = wait_drained(app, within_s=30)
     return {k: stats[k] for k in ("num_running", "num_held", "gpu_bytes_in_use", "host_bytes_in_use", "rss_bytes")}
@@ -218,7 +212,7 @@ def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int, rss_every
     after the warm-up (the baseline) and after every round."""
     import yaml
 
-    from benchmarks.local_service import local_service
+    from serve_app.local import local_service
 
     app = yaml.safe_load(config.read_text())["applications"][0]
     args = {**app["args"], "model": str(ROOT / app["args"]["model"])}
@@ -236,6 +230,12 @@ def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int, rss_every
             "rss_series": [{"requests": p["requests"], "rss_mib": round(p["rss_bytes"] / mib, 1)} for p in series]}
 
 
+def mix_part(text: str) -> tuple[float, int, int]:
+    """"SHARE:FROM:TO" -> (share, words from, words to), one part of LoadConfig.mix."""
+    share, low, high = text.split(":")
+    return float(share), int(low), int(high)
+
+
 def main() -> None:
     from benchmarks.report import write_json
 
@@ -245,12 +245,18 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--stream-share", type=float, default=0.7)
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=list(LoadConfig.max_tokens), metavar=("LOW", "HIGH"),
+                        help="each request's max_tokens is drawn from LOW..HIGH")
+    parser.add_argument("--mix", type=mix_part, nargs="+", default=list(MIX), metavar="SHARE:FROM:TO",
+                        help="prompt lengths in words, each part of the mix drawn from FROM..TO (for a smaller model)")
+    parser.add_argument("--request-timeout-s", type=float, default=LoadConfig.request_timeout_s)
     parser.add_argument("--warmup-requests", type=int, default=20, help="sent (and not counted) before the baseline")
     parser.add_argument("--rss-every", type=int, default=100, help="requests a round; RSS sampled drained after each")
     parser.add_argument("--out", default="load.json", help="under benchmarks/results/")
     args = parser.parse_args()
     load = {"duration_s": args.duration_s, "max_requests": args.max_requests, "concurrency": args.concurrency,
-            "stream_share": args.stream_share}
+            "stream_share": args.stream_share, "max_tokens": tuple(args.max_tokens), "mix": tuple(args.mix),
+            "request_timeout_s": args.request_timeout_s}
     result = serve_and_load(args.config, load, args.warmup_requests, args.rss_every)
     path = write_json(args.out, [], **result)
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1), f"\nwritten to {path}")

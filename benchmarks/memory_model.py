@@ -11,38 +11,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.report import print_table, write_json
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
-
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-}
-
-
-def write_config(config: dict) -> str:
-    path = Path(tempfile.mkdtemp(prefix="geometry-"))
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
-TINY = {**LLAMA_31_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "torch_dtype": "float32"}
-TINY_SHADOWKV = ShadowKVConfig(rank=16, sparse_budget=128, outlier_chunks=4, min_context=256, decode_window=32,
-                               device_value_share=0.0)
+from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, model_spec, write_config
 
 
 def non_torch_gpu_bytes() -> int:
@@ -54,7 +31,7 @@ def non_torch_gpu_bytes() -> int:
 def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new: int, device: str) -> dict:
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    g = mm.Geometry.from_spec(_spec(model), dtype)
+    g = mm.Geometry.from_spec(model_spec(model), dtype)
     gpu_budget, host_budget = mm.pool_budget_for(g, cfg, batch, context, max_new)
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype).removeprefix("torch."),
                                     load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
@@ -97,13 +74,6 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
     return row
 
 
-def _spec(model: str):
-    from shadowkv_core.models.loader import read_config
-    from shadowkv_core.models.spec import ModelSpec
-
-    return ModelSpec.from_hf_config(read_config(Path(model)))
-
-
 def capture_log(name: str) -> list[str]:
     """The messages `name`'s logger emits from now on (also printed), to record them with the results."""
     messages: list[str] = []
@@ -129,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     model = write_config(TINY if args.tiny else LLAMA_31_8B)
     cuda = args.device == "cuda"
-    g = mm.Geometry.from_spec(_spec(model), torch.bfloat16 if cuda else torch.float32)
+    g = mm.Geometry.from_spec(model_spec(model), torch.bfloat16 if cuda else torch.float32)
     cfg = TINY_SHADOWKV if args.tiny else ShadowKVConfig(device_value_share=0.0)
     total = torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB
     host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)

@@ -1,7 +1,7 @@
-"""Issues 7 and 9 on a host with two GPUs, in one command: the service built from configs/prod.yaml against the
-engine alone, an overload burst, and an autoscaling timeline from one replica to two and back.
+"""The service on a host with two GPUs, in one command: the service built from configs/prod.yaml against the engine
+alone, an overload burst, and an autoscaling timeline from one replica to two and back.
 
-The model is Llama-3.1-8B's geometry with random weights (benchmarks.memory_model.LLAMA_31_8B, load_format dummy),
+The model is Llama-3.1-8B's geometry with random weights (shadowkv_core.models.geometry.LLAMA_31_8B, load_format dummy),
 written to a temporary directory with a word-level tokenizer over its whole vocabulary ("t0" ... "t128255"), so that
 every generated token streams as one word of text; prompts are token ids. prod.yaml's application args are used with
 the profile's overrides (GPU: load_format dummy, a 36 GiB host value store, 1..2 replicas, upscale / downscale after
@@ -15,7 +15,7 @@ alone (its traceback recorded):
                 once, each over its own connection: per request its status, latency, Retry-After and whether the
                 proxy's edge shedding answered it; every admitted one completed, the engines drained to zero),
                 then a bounded load of `load.users` clients, then the tail until the replicas are back to one.
-    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, under 7 minutes
+    PYTHONPATH=$PWD python -m benchmarks.serve_gpu --out DIR          # two GPUs, within the profile's budget
     PYTHONPATH=$PWD python -m benchmarks.serve_gpu --cpu --out DIR    # the same on CPU with the tiny geometry
 Writes serve_gpu.json, autoscale_gpu.json, autoscale_gpu.png and ray_logs.tar.gz under --out.
 """
@@ -41,12 +41,13 @@ import yaml
 
 from benchmarks.autoscale_timeline import TimelineConfig, plot, sample, summary
 from benchmarks.autoscale_timeline import run as run_timeline
-from benchmarks.edge_shedding import burst_summary, send_at_once
-from benchmarks.local_service import ray_session, serve_on_loopback
-from benchmarks.memory_model import LLAMA_31_8B, TINY, TINY_SHADOWKV, write_config
+from benchmarks.edge_shedding import burst_summary
 from benchmarks.report import print_table
 from serve_app.app import AppArgs, engine_config, resolve_model
 from serve_app.edge import EDGE_ENV, SHED_HEADER
+from serve_app.local import ray_session, serve_on_loopback
+from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, write_geometry
+from tests.support.burst import send_at_once
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "shadowkv"
@@ -83,18 +84,6 @@ CPU = Profile(TINY, {**AUTOSCALING, "device": "cpu", "dtype": "float32", "num_gp
               num_gpus=0, context=600, batch=2, max_tokens=32, burst_context=600, burst_extra=4, burst_max_tokens=8,
               load=TimelineConfig(users=6, context=400, max_tokens=48, load_s=45, tail_s=90, interval_s=1,
                                   request_timeout_s=60), budget_s=400)
-
-
-def write_geometry(config: dict) -> str:
-    """A model directory: `config` as config.json, and a word-level tokenizer over its vocabulary ("t<id>")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = Path(write_config(config))
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return str(path)
 
 
 def app_args(profile: Profile, model: str) -> dict:

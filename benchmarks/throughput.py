@@ -35,11 +35,13 @@ from pathlib import Path
 import torch
 
 from benchmarks import hf_baseline, step_breakdown
-from benchmarks.memory_model import LLAMA_31_8B, TINY, TINY_SHADOWKV, _spec, non_torch_gpu_bytes, write_config
-from benchmarks.perf_model import ceilings, dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
+from benchmarks.kernels import ceilings
+from benchmarks.memory_model import non_torch_gpu_bytes
 from benchmarks.report import RESULTS, print_table, write_json
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, model_spec, write_config
+from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
 
 ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         return data
     cuda = args.device == "cuda"
     config_dir = write_config(geometry_config(args.model, max(args.contexts) + args.max_new_tokens))
-    g = mm.Geometry.from_spec(_spec(config_dir), dtype_for(args.device))
+    g = mm.Geometry.from_spec(model_spec(config_dir), dtype_for(args.device))
     cfg = TINY_SHADOWKV if args.model == "tiny" else ShadowKVConfig()
     copy_bps, h2d_bps = ceilings(args.device)
     gpu_total = int((torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB) * args.gpu_util)

@@ -1,79 +1,79 @@
-"""benchmarks/throughput.py on a tiny geometry on CPU: the script runs end to end and its shortcut is honest (a cloned
-sequence decodes exactly what its source decodes). No speed is asserted; one test checks how a step is timed, on a
-stand-in engine."""
-import dataclasses
+"""benchmarks/throughput.py on a tiny geometry on CPU, through the command lines: the script runs end to end, and the
+HF baseline's shortcut is honest (benchmarks/hf_check.py: its static cache decodes what its dynamic cache does). No
+speed is asserted. (Its batch shortcut, LLMEngine.fork, is the engine's: tests/test_engine.py.)"""
 import importlib.util
 import json
-import os
-import time
 
 import pytest
 import torch
 
-from benchmarks import hf_baseline, perf_model
-from benchmarks import throughput as tp
-from benchmarks.memory_model import TINY_SHADOWKV, _spec, write_config
-from benchmarks.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
-from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.models.geometry import TINY, TINY_SHADOWKV, model_spec, write_config
+from support.cli import run_module
+
+RUN = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--warmup-steps", "1", "--profile-steps", "1",
+       "--max-new-tokens", "24"]
 
 
-def test_hf_static_cache_decodes_the_same_tokens_as_its_dynamic_cache():
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One run of every kind of method: dense, ShadowKV (bf16 and fp8 values; CUDA graphs asked for and not), HF's
+    two caches."""
+    root = tmp_path_factory.mktemp("throughput")
+    kernels = root / "kernels.json"
+    kernels.write_text(json.dumps({"meta": {}, "rows": [{"kernel": "fetch_values"}]}))
+    run_module("benchmarks.throughput", *RUN, "--steps", "2", "--max-batch", "3", "--methods", "dense", "shadowkv",
+               "shadowkv_fp8", "shadowkv_eager", "hf", "hf_static", "--out", str(root / "t.json"),
+               "--kernels-json", str(kernels), timeout_s=900)
+    return root, json.loads((root / "t.json").read_text())
+
+
+def test_hf_static_cache_decodes_the_same_tokens_as_its_dynamic_cache(tmp_path):
     """The HF baseline's two caches, each filled from the same prefilled prompt and replicated to the batch: the
     static one (written once, positions given) generates exactly the dynamic one's greedy tokens."""
-    model = hf_baseline.load(write_config(tp.geometry_config("tiny", 1024)), torch.float32, "cpu")
-    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    _, token, prefix = hf_baseline.prefill(model, prompt, "cpu")
-    dynamic, static = (hf_baseline.decode(model, prefix, token, 3, 6, 1, "cpu", static=s)[1] for s in (False, True))
-    assert dynamic.shape == (3, 6) and torch.equal(dynamic, static)
-    assert len(set(dynamic[0].tolist())) > 1  # the tokens change from step to step: positions are honoured
+    out = tmp_path / "hf_check.json"
+    done = run_module("benchmarks.hf_check", "--model", "tiny", "--device", "cpu", "--out", str(out), timeout_s=600,
+                      check=False)
+    saved = json.loads(out.read_text())
+    dynamic, static = saved["dynamic"], saved["static"]
+    assert [len(row) for row in dynamic] == [6, 6, 6] and dynamic == static
+    assert len(set(dynamic[0])) > 1  # the tokens change from step to step: positions are honoured
+    assert saved["honest"] and done.returncode == 0, done.stderr[-2000:]
 
 
-def test_script_writes_rows_summary_plot_and_merges_the_decode_step(tmp_path):
-    kernels = tmp_path / "kernels.json"
-    kernels.write_text(json.dumps({"meta": {}, "rows": [{"kernel": "fetch_values"}, {"kernel": "decode_step"}]}))
-    out = tp.main(["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "2", "--warmup-steps", "1",
-                   "--profile-steps", "1", "--max-new-tokens", "24", "--max-batch", "3",
-                   "--out", str(tmp_path / "t.json"), "--kernels-json", str(kernels)])
-    assert not out["failures"]
-    assert {r["method"] for r in out["rows"]} == {"dense", "shadowkv", "hf"}
-    for r in out["rows"]:
+def test_script_writes_rows_summary_and_plot(run):
+    root, saved = run
+    assert not saved["failures"] and saved["environment"]["command"]
+    rows = saved["rows"]
+    assert {r["method"] for r in rows} == {"dense", "shadowkv", "shadowkv_fp8", "shadowkv_eager", "hf", "hf_static"}
+    for r in rows:
         assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0
-    assert {r["batch"] for r in out["rows"] if r["method"] == "shadowkv"} == {1, 2, 3}
-    assert all(0 <= r["hit_rate"] <= 1 and r["peak_host_gib"] > 0 for r in out["rows"] if r["method"] == "shadowkv")
-    assert "QKV" in next(r for r in out["rows"] if r["method"] == "dense" and "breakdown_ms" in r)["breakdown_ms"]
-    summary = out["summary"][0]
-    assert {"shadowkv_over_dense", "shadowkv_over_hf", "prefill_overhead", "dense_x_roofline"} <= set(summary)
-    saved = json.loads((tmp_path / "t.json").read_text())
-    assert saved["environment"]["command"] and saved["rows"] == json.loads(json.dumps(out["rows"]))
+        assert r["steps"] == 2
+    assert {r["batch"] for r in rows if r["method"] == "shadowkv"} == {1, 2, 3}
+    assert {r["batch"] for r in rows if r["method"] == "shadowkv_eager"} == {3}
+    assert all(0 <= r["hit_rate"] <= 1 and r["peak_host_gib"] > 0 for r in rows if r["method"] == "shadowkv")
+    assert "QKV" in next(r for r in rows if r["method"] == "dense" and "breakdown_ms" in r)["breakdown_ms"]
+    summary = saved["summary"][0]
+    assert {"shadowkv_over_dense", "shadowkv_over_hf", "prefill_overhead", "dense_x_roofline",
+            "shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3"} <= set(summary)
     # The plot needs the `bench` extra (matplotlib); without it the run still writes its JSON and no PNG.
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
-    assert (tmp_path / "t.png").exists() == has_matplotlib
-    assert not has_matplotlib or (tmp_path / "t.png").stat().st_size > 0
-    rows = [dict(r, context=122880, batch=8) for r in out["rows"] if r["method"] == "shadowkv"][:1]
-    step = tp.merge_decode_step(kernels, rows)
-    merged = json.loads(kernels.read_text())["rows"]
-    assert [r["kernel"] for r in merged] == ["fetch_values", "decode_step"] and merged[1] == step
-    assert step["time_ms"] > 0 and step["floor_ms"] > 0
-    # other methods in a run of their own: fp8 values against dense's batch, CUDA graphs against eager
-    more = tp.main(["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "2", "--warmup-steps", "1",
-                    "--profile-steps", "1", "--max-new-tokens", "24", "--max-batch", "3",
-                    "--methods", "dense", "shadowkv", "shadowkv_fp8", "shadowkv_eager", "hf_static",
-                    "--out", str(tmp_path / "more.json"), "--kernels-json", str(kernels)])
-    assert {r["batch"] for r in more["rows"] if r["method"] == "shadowkv_eager"} == {3}
-    assert {"shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3"} <= set(more["summary"][0])
+    assert (root / "t.png").exists() == has_matplotlib
+    assert not has_matplotlib or (root / "t.png").stat().st_size > 0
+    # the decode step of record is Llama-3.1-8B's: a tiny run leaves the kernels' results alone
+    assert json.loads((root / "kernels.json").read_text())["rows"] == [{"kernel": "fetch_values"}]
 
 
 def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_batch(tmp_path):
     """With a host budget of about two sequences' values and room on the "device", _tiered picks a share > 0 that
     holds more sequences, and its misses are partly read from the device region (the reference path on CPU)."""
-    model = write_config(tp.geometry_config("tiny", 1024))
-    g = mm.Geometry.from_spec(_spec(model), torch.float32)
+    g = mm.Geometry.from_spec(model_spec(write_config(TINY)), torch.float32)
     host_gib = 2.5 * mm.seq_bytes(g, TINY_SHADOWKV, 512, 24).host / mm.GIB
-    args = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--steps", "3", "--warmup-steps", "1",
-            "--profile-steps", "1", "--max-new-tokens", "24", "--host-gib", str(host_gib), "--max-batch", "4",
-            "--out", str(tmp_path / "t.json"), "--kernels-json", str(tmp_path / "k.json")]
-    out = tp.main(args + ["--methods", "shadowkv", "shadowkv_tiered_pipelined"])
+    args = [*RUN, "--steps", "3", "--host-gib", str(host_gib), "--max-batch", "4", "--kernels-json",
+            str(tmp_path / "k.json")]
+    run_module("benchmarks.throughput", *args, "--methods", "shadowkv", "shadowkv_tiered_pipelined",
+               "--out", str(tmp_path / "t.json"), timeout_s=900)
+    out = json.loads((tmp_path / "t.json").read_text())
     assert not out["failures"]
     plain = max(r["batch"] for r in out["rows"] if r["method"] == "shadowkv")
     tiered = [r for r in out["rows"] if r["method"] == "shadowkv_tiered_pipelined"]
@@ -81,8 +81,9 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     assert all(0 < r["device_value_share"] <= 1 and r["device_fetch_fraction"] > 0 for r in tiered)
     # a sweep over given shares: one run per share, rows told apart by it, the summary naming the best one's share
     # (each share in its own process, as on CUDA)
-    swept = tp.main(args + ["--methods", "shadowkv_tiered_pipelined", "--tier-share", "0.25", "0.75", "--isolate",
-                            "--out", str(tmp_path / "s.json")])
+    run_module("benchmarks.throughput", *args, "--methods", "shadowkv_tiered_pipelined", "--tier-share", "0.25", "0.75",
+               "--isolate", "--out", str(tmp_path / "s.json"), timeout_s=900)
+    swept = json.loads((tmp_path / "s.json").read_text())
     assert not swept["failures"]
     shares = {r["device_value_share"] for r in swept["rows"]}
     assert shares == {0.25, 0.75}
@@ -90,83 +91,3 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     assert swept["summary"][0]["shadowkv_tiered_pipelined_device_value_share"] == best["device_value_share"]
     held = [max(r["batch"] for r in swept["rows"] if r["device_value_share"] == x) for x in (0.25, 0.75)]
     assert held[1] > held[0]  # the host bounds the batch here: less of each sequence on it holds more sequences
-
-
-def test_performance_model_at_122k():
-    g, cfg = mm.PRESETS["llama-3.1-8b"], ShadowKVConfig(device_value_share=0.0)
-    copy, h2d = 4.28e12, 55.2e9
-    assert infinite_memory_tok_s(g, 122880, copy) == pytest.approx(265, rel=0.01)  # 16.1 GB of K+V per token
-    assert 8 / dense_floor_s(g, 122880, 8, copy) < infinite_memory_tok_s(g, 122880, copy)
-    # DESIGN.md: at a 60 % hit rate PCIe (~52 MiB per sequence per step) outweighs HBM; all hits leaves HBM only
-    pcie_bound = shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_bound == pytest.approx(8 * 0.4 * 256 * 8 * 32 * 2048 / h2d, rel=1e-6)
-    assert shadowkv_floor_s(g, cfg, 122880, 8, 1.0, copy, h2d) < shadowkv_floor_s(g, cfg, 122880, 8, 0.6, copy, h2d)
-    # fp8 values: one byte per value and a 4-byte scale per chunk and KV head over PCIe
-    fp8 = dataclasses.replace(cfg, value_format="fp8")
-    pcie_fp8 = shadowkv_floor_s(g, fp8, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_fp8 == pytest.approx(8 * 0.4 * 256 * 8 * 32 * (1024 + 4) / h2d, rel=1e-6)
-    # a device value share: that share of the misses' values read over HBM instead of PCIe
-    tiered = dataclasses.replace(fp8, device_value_share=0.25)
-    pcie_tiered = shadowkv_floor_s(g, tiered, 122880, 8, 0.6, copy, h2d) - g.weight_bytes / copy
-    assert pcie_tiered == pytest.approx(0.75 * pcie_fp8, rel=1e-6)
-
-
-def test_floor_at_each_device_value_share(tmp_path):
-    """perf_model's share table: each row is the memory model's largest batch at that share and the floor there; a
-    larger share moves fewer PCIe bytes per sequence and, once the device binds, holds no more sequences."""
-    out = tmp_path / "shares.json"
-    rows = perf_model.main(["--shares", "0.1875", "0.375", "0.5", "--out", str(out)])
-    g = mm.PRESETS["llama-3.1-8b"]
-    cfg = ShadowKVConfig(value_format="fp8", landmark_format="fp8", device_value_share=0.0)
-    for r in rows:
-        shared = dataclasses.replace(cfg, device_value_share=r["device_value_share"])
-        assert r["batch"] == mm.capacity(g, shared, 135098892288, 107037520691, [122880], 256)
-        floor = shadowkv_floor_s(g, shared, 122880, r["batch"], 0.021, 4226.8e9, 55.44e9)
-        assert r["floor_ms"] == pytest.approx(1e3 * floor) and r["floor_tok_s"] == pytest.approx(r["batch"] / floor)
-        assert r["floor_ms"] == pytest.approx(max(r["hbm_ms"], r["pcie_ms"]) + r["weights_ms"])
-    assert [r["batch"] for r in rows] == sorted((r["batch"] for r in rows), reverse=True)
-    per_sequence = [r["pcie_ms"] / r["batch"] for r in rows]
-    assert per_sequence == sorted(per_sequence, reverse=True) and per_sequence[0] > per_sequence[-1]
-    saved = json.loads(out.read_text())
-    assert saved["rows"] == rows and saved["command"].startswith("python -m benchmarks.perf_model --shares")
-
-
-def test_run_isolated_runs_in_another_process_and_raises_its_errors():
-    assert tp.run_isolated(os.getpid) != os.getpid()
-    with pytest.raises(ValueError, match="invalid literal"):
-        tp.run_isolated(int, "not a number")
-
-
-def test_decode_steps_are_timed_return_to_return():
-    """time_decode times a step from the return of the one before it, the stats read between them included (with
-    async decode the device runs the step in flight meanwhile; nothing drains it before the first timed step)."""
-    class Engine:
-        calls = 0
-
-        def step(self):
-            Engine.calls += 1
-            time.sleep(0.005)
-
-        def stats(self):
-            time.sleep(0.003)
-            return {"step": Engine.calls}
-
-    times, stats = tp.time_decode(Engine(), 3, 2)
-    assert [s["step"] for s in stats] == [3, 4, 5]
-    assert len(times) == 3 and all(0.008 <= t < 0.05 for t in times[1:]) and 0.005 <= times[0] < 0.05
-
-
-@pytest.mark.parametrize("method", [m for m in tp.METHODS if not m.startswith("hf")])
-def test_a_method_name_sets_what_it_says(method):
-    """Each part of an engine method's name sets its config: fp8 values (and landmarks), a device value tier,
-    pipelined halves, no CUDA graphs (_eager), no async decode (_sync)."""
-    cfg, options = tp.method_setup(method, ShadowKVConfig(), tier_share=0.25)
-    if method.startswith("dense"):
-        assert cfg is None
-    else:
-        assert cfg.value_format == ("fp8" if "_fp8" in method else "model")
-        assert cfg.landmark_format == ("fp8" if "_fp8lm" in method else "model")
-        assert cfg.device_value_share == (0.25 if "_tiered" in method else 0.0)
-    assert options["pipeline_decode"] == ("_pipelined" in method)
-    assert options["cuda_graphs"] == (not method.endswith("_eager"))
-    assert options["async_decode"] == (False if method.endswith("_sync") else "auto")

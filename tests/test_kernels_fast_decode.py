@@ -89,7 +89,7 @@ def test_fast_decode_generates_the_reference_tokens(value_format="model", device
     past the answer and its EOS (ignore_eos): the Triton decode path (on CUDA: graphs, pipelined halves) generates
     exactly what the PyTorch reference path does. On the CPU (the interpreter, fp32) its 8th step met a head whose
     scores were all ties, which the reference once broke otherwise."""
-    from benchmarks.longctx_data import make_sample
+    from training.data import make_sample
     from shadowkv_core import LLM, SamplingParams
     model = str(Path(__file__).resolve().parents[1] / "models" / "shadowkv-small")
     samples = [make_sample("niah_multikey", context, seed).prompt_ids for seed in range(prompts)]

@@ -1,9 +1,10 @@
-"""benchmarks/train_small_model.py: the key low-rank regulariser (the tail share it measures and trains down) and the
-factorised key projection (--key-proj-rank)."""
+"""training/objectives.py: the key low-rank regulariser (the tail share it measures and trains down) and the
+factorised key projection (training.train --key-proj-rank)."""
 import torch
 
-from benchmarks.train_small_model import (KeyCapture, factorise_key_projections, key_rank, key_tail,
-                                          merge_key_projections, model_config, top_subspace)
+from training.objectives import (KeyCapture, factorise_key_projections, key_rank, key_tail, merge_key_projections,
+                                 top_subspace)
+from training.train import model_config
 
 
 def test_rank_is_shadowkvs_share_of_the_key_width():

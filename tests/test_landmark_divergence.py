@@ -1,10 +1,10 @@
-"""The landmark divergence of benchmarks/train_small_model.py: how far ShadowKV's chunk scores are from dense
+"""The landmark divergence of training/objectives.py: how far ShadowKV's chunk scores are from dense
 attention."""
 import math
 
 import torch
 
-from benchmarks.train_small_model import landmark_divergence, rank_attention_divergence, rank_logit_error, rotate
+from training.objectives import landmark_divergence, rank_attention_divergence, rank_logit_error, rotate
 
 
 def rope(length: int, d: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:

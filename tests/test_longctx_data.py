@@ -1,7 +1,9 @@
 """The synthetic long-context tasks: deterministic, exact lengths, the answer's needle where the sample says."""
+import re
+
 import pytest
 
-from benchmarks.longctx_data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
+from training.data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -46,9 +48,21 @@ def test_variable_chain_is_in_order():
     assert positions == sorted(positions)
 
 
-def test_train_and_eval_draw_from_different_text():
-    train = make_sample("niah_single", 2048, seed=TRAIN_SEED_BASE + 5, split="train")
-    held_out = make_sample("niah_single", 2048, seed=5)
-    assert train.prompt_ids != held_out.prompt_ids
-    stream = text_stream(seed=TRAIN_SEED_BASE, length=1024)
+def test_train_and_eval_draw_from_different_documents(tmp_path):
+    """A corpus of 40 documents, each its own word repeated: evaluation reads every 10th, training the others."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\f".join(f"doc{i:02d} " * 300 for i in range(40)), encoding="ascii")
+
+    def documents(ids: list[int]) -> set[int]:
+        return {int(n) for n in re.findall(r"doc(\d\d)", bytes(t for t in ids if t < 256).decode("ascii"))}
+
+    held_out = set().union(*(documents(make_sample(task, 2048, seed, corpus_file=str(corpus)).prompt_ids)
+                             for task in TASKS for seed in range(4)))
+    train = set().union(*(documents(make_sample(task, 2048, TRAIN_SEED_BASE + seed, split="train",
+                                                corpus_file=str(corpus)).prompt_ids)
+                          for task in TASKS for seed in range(4)))
+    stream = text_stream(seed=TRAIN_SEED_BASE, length=1024, corpus_file=str(corpus))
     assert len(stream) == 1024 and stream[0] == BOS
+    train |= documents(stream)
+    assert held_out and held_out <= {0, 10, 20, 30}
+    assert train and not train & {0, 10, 20, 30}

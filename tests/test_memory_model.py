@@ -1,9 +1,10 @@
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from model_factory import FAMILIES, build_tiny_hf_model
+from support.model_factory import FAMILIES, build_tiny_hf_model
 from shadowkv_core import LLMEngine, EngineConfig, ShadowKVConfig
 from shadowkv_core import memory_model as mm
 from shadowkv_core.models import load_model
@@ -35,9 +36,11 @@ def test_paper_headline_shadowkv_holds_about_six_times_the_dense_batch_at_122k()
 
 
 def test_host_memory_caps_the_batch():
-    small_host = mm.capacity(G8B, PAPER, GPU, 32 * mm.GIB, [122880], 128)
-    per_seq = mm.seq_bytes(G8B, PAPER, 122880, 128).host
-    assert small_host == 32 * mm.GIB // per_seq
+    # by hand: a sequence's values, every layer in bf16, in whole pages of page_chunks chunks
+    page = PAPER.page_chunks * PAPER.chunk_size
+    per_seq = math.ceil((122880 + 128) / page) * page * 32 * 8 * 128 * 2  # layers, KV heads, head_dim, bytes
+    held = [mm.capacity(G8B, PAPER, GPU, host, [122880], 128) for host in (4 * per_seq, 4 * per_seq - 1)]
+    assert held == [4, 3]  # the GPU would hold more
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -107,7 +110,22 @@ def test_cli_prints_dense_and_shadowkv_capacity(capsys):
     mm.main(["--model", "llama-3.1-8b", "--context", "122880", "--gpu-gib", "80", "--host-gib", "512"])
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.strip().startswith("122880")][0].split()
-    assert int(row[1]) == cap(None) and int(row[2]) == cap(PAPER)
+    # By hand, Llama-3.1-8B in bf16, sequences of 122880 + 128 tokens: the GPU less the weights, the prefill's
+    # workspace and the CUDA context, over what each sequence adds (its cache and its decode logits).
+    tokens, layers, kv_width, bf16, pages = 122880 + 128, 32, 8 * 128, 2, math.ceil((122880 + 128) / 128)
+    free = GPU - 8_030_261_248 * bf16 - mm.CONTEXT_BYTES  # Llama-3.1-8B's parameters
+    free -= 122880 * mm.WORKSPACE_HIDDEN_VECTORS * 4096 * bf16 + 8192 * 3 * 14336 * bf16  # hidden vectors, one MLP
+    logits = 2 * 128256 * (bf16 + 4)
+    dense = free // (tokens * 2 * layers * kv_width * bf16 + logits)
+    exact = 256 * 8 + 48 * 8 + 4 * 8 + 512  # selected, outlier and local chunks of 8 tokens; the decode window
+    slot = layers * ((160 * kv_width + 2 * exact * kv_width) * bf16 + 256 * 8 * 8)  # rank 160 basis; chunk ids
+    page_gpu = layers * (128 * 160 * bf16 + 16 * 8 + 16 * kv_width * bf16)  # U rows, outlier flags, landmarks
+    shadow_gpu = slot + 4096 * 2 * layers * kv_width * bf16 + pages * page_gpu + logits  # + a dense reservation
+    shadow_free = free - 122880 * 2 * kv_width * 4  # the factorised keys' fp32 rows
+    shadow_host = pages * 128 * layers * kv_width * bf16
+    shadow = min(shadow_free // shadow_gpu, HOST // shadow_host)
+    assert (int(row[1]), int(row[2])) == (dense, shadow)
+    assert row[4:7] == ["0.000", f"{(slot + pages * page_gpu) / mm.GIB:.2f}", f"{shadow_host / mm.GIB:.2f}"]
 
 
 def test_cli_rejects_an_unknown_model():

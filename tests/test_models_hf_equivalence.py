@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
 from shadowkv_core.cache.base import CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.models import load_model
+from support.model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
 
 PROMPT_LEN, DECODE_STEPS = 24, 32  # phi3's longrope switches to its long factors at 32 tokens, mid-decode
 

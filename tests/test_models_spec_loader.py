@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_factory import build_tiny_hf_model
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.models import ModelSpec, load_model, load_tokenizer
 from shadowkv_core.tiny_model import build_tiny_model
+from support.model_factory import build_tiny_hf_model
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)

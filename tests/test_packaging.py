@@ -5,7 +5,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("name", ["shadowkv_core", "kernels", "serve_app"])
+@pytest.mark.parametrize("name", ["shadowkv_core", "kernels", "serve_app", "training"])
 def test_package_imports_with_docstring(name):
     module = importlib.import_module(name)
     assert module.__doc__ and "May import" in module.__doc__

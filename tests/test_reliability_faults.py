@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from serve_fixtures import local_service, wait_healthy
+from serve_app.local import local_service, wait_healthy
 from shadowkv_core.tiny_model import build_tiny_model
 
 APP = "faults"

@@ -11,11 +11,12 @@ from ray import serve
 
 from serve_app.engine_replica import engine_footprint
 from serve_app.faults import ENV as FAULTS_ENV
+from serve_app.local import local_service
 from serve_app.security import KEY_FILE_ENV, KEYS_ENV
-from serve_fixtures import assert_engine_drains, local_service
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core import memory_model as mm
 from shadowkv_core.tiny_model import build_tiny_model
+from support.serve import assert_engine_drains
 
 APP = "limits"
 MODEL = "tiny"

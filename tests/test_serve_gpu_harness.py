@@ -1,66 +1,75 @@
-"""benchmarks/serve_gpu.py and benchmarks/autoscale_timeline.py's helpers, on CPU without Ray: the random-weight model
-directory, prod.yaml's args with a profile's overrides, and the arithmetic of streams, bursts and timelines."""
+"""benchmarks/serve_gpu.py's CPU rehearsal, through its command line: the tiny geometry served from prod.yaml's args
+with the CPU profile's overrides, against the engine alone; an overload burst; an autoscaling timeline from one
+replica up and back. What is asserted is what the harness reads and counts, never how fast."""
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 from ray.serve.config import AutoscalingConfig
 
-from benchmarks.autoscale_timeline import requests_per_replica, summary
-from benchmarks.memory_model import TINY
-from benchmarks.serve_gpu import CPU, GPU, app_args, burst_summary, summarize_streams, write_geometry
-from serve_app.app import AppArgs, replica_options, resolve_model
-from serve_app.metrics import ServiceMetrics
+from serve_app.app import AppArgs, replica_options
+from support.cli import run_module
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_geometry_directory_streams_every_token_as_one_word():
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve_gpu")
+    run_module("benchmarks.serve_gpu", "--cpu", "--out", str(out), "--budget-s", "150", "--tail-s", "30",
+               timeout_s=400)
+    return json.loads((out / "serve_gpu.json").read_text())
 
-    model = write_geometry(TINY)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    assert tokenizer.decode([5, TINY["vocab_size"] - 1, 0], skip_special_tokens=True) == "t5 t511 t0"
-    assert resolve_model(AppArgs(**app_args(CPU, model))) == model  # a checkpoint under load_format dummy
+
+def test_every_phase_runs_within_its_budget(record):
+    assert set(record["phases"]) == {"service_start", "engine_alone", "service", "timeline"}
+    assert [name for name, p in record["phases"].items() if "error" in p] == [] and "watchdog" not in record
 
 
-@pytest.mark.parametrize("profile", [GPU, CPU], ids=["two-h200", "cpu-rehearsal"])
-def test_app_args_are_prod_with_the_profile_overrides(profile):
-    args = AppArgs(**app_args(profile, "/models/geometry"))
-    assert args.served_model_name == "llama-3.1-8b-instruct" and args.model == "/models/geometry"
-    assert args.engine["load_format"] == "dummy" and args.engine["max_prefill_tokens"] == 32768  # prod's, kept
-    autoscaling = AutoscalingConfig(**replica_options(args)["autoscaling_config"])
+def test_app_args_are_prod_with_the_profile_overrides(record):
+    prod = yaml.safe_load((ROOT / "configs" / "prod.yaml").read_text())["applications"][0]["args"]
+    overrides, args = record["profile"]["overrides"], record["app_args"]
+    assert {k: v for k, v in args.items() if k not in overrides and k != "model"} == \
+        {k: v for k, v in prod.items() if k not in overrides and k != "model"}
+    assert {k: args[k] for k in overrides if k != "engine"} == {k: v for k, v in overrides.items() if k != "engine"}
+    assert args["engine"] == {**prod["engine"], **overrides["engine"]}  # merged key by key: prod's others kept
+    assert args["engine"]["load_format"] == "dummy" and "max_prefill_tokens" in prod["engine"]
+    autoscaling = AutoscalingConfig(**replica_options(AppArgs(**args))["autoscaling_config"])
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 2)
     assert (autoscaling.upscale_delay_s, autoscaling.downscale_delay_s) == (5, 15)
 
 
-def test_streams_give_ttft_and_the_rate_while_every_request_decodes():
-    streams = [{"sent": 0.0, "points": [(1.0, 1), (2.0, 2), (3.0, 3), (4.0, 4)]},
-               {"sent": 0.0, "points": [(2.0, 1), (3.0, 2), (4.0, 3), (5.0, 4)]}]
-    s = summarize_streams(streams)
-    assert s["ttft_s"] == [1.0, 2.0] and s["ttft_s_mean"] == 1.5
-    assert s["decode_window_s"] == 2.0 and s["decode_tokens_per_s"] == 2.0  # (4 - 2) + (3 - 1) tokens in [2, 4]
-    assert s["output_tokens"] == 8 and s["output_tokens_per_s"] == 1.6
+@pytest.mark.parametrize("phase", ["engine_alone", "service"])
+def test_every_token_streams_as_one_word_and_is_counted(record, phase):
+    profile, p = record["profile"], record["phases"][phase]
+    assert len(p["streams"]) == len(p["ttft_s"]) == profile["batch"]
+    assert [s["points"][-1][1] for s in p["streams"]] == [profile["max_tokens"]] * profile["batch"]
+    assert p["output_tokens"] == profile["batch"] * profile["max_tokens"]
+    assert p["ttft_s_mean"] > 0 and p["decode_tokens_per_s"] > 0 and p["decode_window_s"] > 0
+    if phase == "service":
+        assert [s["completion_tokens"] for s in p["streams"]] == [profile["max_tokens"]] * profile["batch"]
 
 
-def test_burst_summary_tells_edge_refusals_from_the_ingress_ones_at_once_or_after_the_wait():
-    def reply(status, s, edge=False, retry="1", tokens=None):
-        return {"status": status, "s": s, "sent_s": 0.001, "edge": edge, "retry_after": retry,
-                "completion_tokens": tokens}
-    replies = [reply(200, 30.0, retry=None, tokens=16), reply(200, 31.0, retry=None, tokens=16),
-               reply(429, 0.05, edge=True), reply(429, 0.09, edge=True), reply(429, 0.07), reply(429, 2.1),
-               reply(503, 0.1, retry=None)]
-    s = burst_summary(replies, max_wait_s=2.0, max_tokens=16)
-    assert (s["admitted"], s["admitted_completed"]) == (2, 2)
-    assert (s["refused_by_edge"], s["refused_by_ingress_at_once"], s["refused_after_bounded_wait"]) == (2, 1, 1)
-    assert s["edge_429_ms"] == {"p50": 90.0, "p99": 90.0, "max": 90.0}
-    assert (s["refused_at_once"], s["other_statuses"]) == (3, [503])
-    assert s["refused_at_once_ms"]["max"] == 90.0 and s["retry_after_on_every_429"]
-    assert s["admitted_s"] == [30.0, 31.0] and s["send_spread_ms"] == 1.0
+def test_the_burst_beyond_capacity_is_refused_and_the_admitted_complete(record):
+    args, burst = record["app_args"], record["phases"]["timeline"]["overload"]
+    n = args["max_num_seqs"] + args["max_waiting"] + record["profile"]["burst_extra"]
+    refused = [r for r in burst["replies"] if r["status"] == 429]
+    assert burst["requests"] == len(burst["replies"]) == n and burst["other_statuses"] == []
+    assert burst["admitted"] + len(refused) == n and burst["admitted"] >= args["max_num_seqs"]
+    assert burst["admitted_completed"] == burst["admitted"]
+    assert burst["refused_by_edge"] == sum(r["edge"] for r in refused)
+    assert burst["refused_by_edge"] + burst["refused_by_ingress_at_once"] + burst["refused_after_bounded_wait"] == \
+        len(refused)
+    assert burst["retry_after_on_every_429"] and all(r["retry_after"] for r in refused)
+    assert burst["drained"]["running"] == burst["drained"]["gpu_bytes_in_use"] == 0
 
 
-def test_timeline_reads_requests_per_replica_and_keeps_the_most_each_reported():
-    reports = [{"replica": "a", "device": "gpu0", "num_requests": 3}, {"replica": "b", "device": "gpu1",
-                                                                       "num_requests": 5}]
-    counts = requests_per_replica(ServiceMetrics().render(reports, 0, 0).decode())
-    assert counts == {"a gpu0": 3.0, "b gpu1": 5.0}
-    timeline = [{"t_s": 0, "replicas": 2.0, "requests_per_replica": counts},
-                {"t_s": 1, "replicas": 1.0, "requests_per_replica": {"a gpu0": 4.0}}, {"t_s": 2, "error": "x"}]
-    s = summary({"timeline": timeline, "responses_by_status": {200: 9}})
-    assert s["max_replicas"] == 2.0 and s["final_replicas"] == 1.0
-    assert s["requests_per_replica"] == {"a gpu0": 4.0, "b gpu1": 5.0}
+def test_the_timeline_keeps_the_most_requests_each_replica_reported(record):
+    timeline = record["phases"]["timeline"]
+    per_replica = timeline["requests_per_replica"]
+    assert per_replica and all(name.endswith(" cpu") for name in per_replica)  # "<replica id> <device>"
+    assert sum(per_replica.values()) >= timeline["responses_by_status"]["200"]  # each 200 was some replica's
+    assert 1 <= timeline["final_replicas"] <= timeline["max_replicas"] <= 2
+    assert timeline["events"]["load_start_s"] < timeline["events"]["load_stop_s"]

@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import pytest
 
-from serve_fixtures import local_service
+from serve_app.local import local_service
 from shadowkv_core.tiny_model import build_tiny_model
 
 SLOTS_PER_REPLICA = 2

@@ -32,6 +32,17 @@ def _report(free_gpu, free_host=0, slots=4, ids=(), total_gpu=4 * GIB, total_hos
             "gpu_bytes_total": total_gpu, "host_bytes_total": total_host}
 
 
+def _count_sleeps(monkeypatch) -> list[float]:
+    """Every asyncio.sleep from now on (the gate's only way to wait for room), by its delay."""
+    sleeps, real = [], asyncio.sleep
+
+    async def sleep(delay, *args, **kwargs):
+        sleeps.append(delay)
+        return await real(delay, *args, **kwargs)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    return sleeps
+
+
 def _events(texts, prompt_tokens=3):
     async def gen():
         for i, text in enumerate(texts):
@@ -156,15 +167,15 @@ def test_board_respects_slots_and_ignores_unreported_replicas():
     assert board.place("r1", 1, 0) == "a" and board.place("r2", 1, 0) is None
 
 
-def test_gate_refuses_at_once_when_no_room_and_no_waiting_allowed():
+def test_gate_refuses_at_once_when_no_room_and_no_waiting_allowed(monkeypatch):
     board = CapacityBoard()
     board.update({"a": _report(GIB, slots=1)})
     gate = AdmissionGate(board, max_waiting=0, max_wait_s=5.0)
     assert asyncio.run(gate.admit("r1", 1, 0)) == "a"
-    start = time.monotonic()
+    sleeps = _count_sleeps(monkeypatch)
     with pytest.raises(OpenAIError) as exc:
         asyncio.run(gate.admit("r2", 1, 0))
-    assert exc.value.status == 429 and time.monotonic() - start < 0.05
+    assert exc.value.status == 429 and sleeps == []  # refused without waiting for room
     with pytest.raises(OpenAIError) as exc:
         asyncio.run(gate.admit("r3", 5 * GIB, 0))
     assert exc.value.status == 400
@@ -292,21 +303,21 @@ def test_edge_shedder_refuses_beyond_the_advertised_capacity_without_forwarding(
     asyncio.run(scenario())
 
 
-def test_gate_refuses_at_once_when_no_request_can_end_within_the_wait():
+def test_gate_refuses_at_once_when_no_request_can_end_within_the_wait(monkeypatch):
     """Replicas bound when their first request can end (LLMEngine.next_finish_s): past the wait, waiting could only
     end in a refusal, so the gate refuses at once, with that time as Retry-After; within it, or unbounded, it waits."""
     board = CapacityBoard()
     gate = AdmissionGate(board, max_waiting=4, max_wait_s=1.0, poll_s=0.01)
     board.update({"a": {**_report(GIB, slots=1), "next_free_at": time.time() + 30}})
     assert asyncio.run(gate.admit("r1", 1, 0)) == "a"
-    start = time.monotonic()
+    sleeps = _count_sleeps(monkeypatch)
     with pytest.raises(OpenAIError) as exc:
         asyncio.run(gate.admit("r2", 1, 0))
-    assert exc.value.status == 429 and time.monotonic() - start < 0.05
+    assert exc.value.status == 429 and sleeps == []  # refused without waiting for room
     assert 28 <= int(exc.value.headers["Retry-After"]) <= 30
     for bound in (time.time() + 0.5, None):  # a request may end within the wait, or no bound: wait, then refuse
         board.update({"a": {**_report(GIB, slots=0, ids=["r1"]), "next_free_at": bound}})
         start = time.monotonic()
         with pytest.raises(OpenAIError):
             asyncio.run(gate.admit("r3", 1, 0))
-        assert time.monotonic() - start >= 1.0
+        assert time.monotonic() - start >= 1.0 and sleeps  # it polled for room the whole wait

@@ -3,13 +3,13 @@ the dense path, on a ragged batch, through prefill and 32 decode steps that fold
 import pytest
 import torch
 
-from model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
 from shadowkv_core.cache.base import CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import Pools
 from shadowkv_core.models import load_model
 from shadowkv_core.shadowkv.cache import ShadowKVCache
+from support.model_factory import FAMILIES, assert_close_to, build_tiny_hf_model, decode, prefill
 
 PROMPT_LENS, DECODE_STEPS = (37, 64, 45), 32  # all past phi3's 32-token longrope switch
 PRECISIONS = [pytest.param("cpu", torch.float32, 1e-4, id="cpu-fp32"),

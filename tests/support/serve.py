@@ -1,9 +1,7 @@
-"""What the tests that run a real local Ray Serve instance share (the service itself: benchmarks/local_service.py)."""
+"""What the tests that run a real local Ray Serve instance (serve_app/local.py) check of it."""
 from __future__ import annotations
 
-from benchmarks.local_service import engine_stats, local_service, wait_drained, wait_healthy
-
-__all__ = ["assert_engine_drains", "engine_stats", "local_service", "wait_healthy"]
+from serve_app.local import wait_drained
 
 
 def assert_engine_drains(app: str, within_s: float) -> dict:

@@ -1,7 +1,7 @@
 """Synthetic long-context tasks (RULER-style) over natural-text haystacks, byte-level, from seeds.
 
-The same code feeds training (`benchmarks/train_small_model.py`) and evaluation (`benchmarks/accuracy.py`); the two
-draw from disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval").
+The same code feeds training (`training/train.py`) and evaluation (`benchmarks/accuracy.py`); the two draw from
+disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval").
 
 Haystacks are text found on every Debian/Python machine, read in sorted order: the licences under
 /usr/share/common-licenses, the /usr/share/doc/*/copyright files and the running interpreter's stdlib sources.
@@ -10,6 +10,8 @@ Since those differ between machines, `write_corpus` freezes them into one file t
 Token ids are the project's byte-level vocabulary (tiny_model.save_byte_tokenizer): byte b is id b, BOS=256, EOS=257.
 A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes(answer) + [EOS]. The prompt is exactly
 `context` tokens long.
+
+    python -m training.data --write-corpus .cache/corpus.txt
 """
 from __future__ import annotations
 

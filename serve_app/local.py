@@ -1,5 +1,6 @@
 """A local Ray Serve instance of this service, on loopback, for tests and benchmarks: Ray (2 CPUs, no dashboard),
-Serve on a free 127.0.0.1 port, the app built from `build_app` args; and the engine replicas' own stats."""
+Serve on a free 127.0.0.1 port, the app built from `build_app` args; and the engine replicas' own stats. Not used by
+the deployed service, which Serve starts from a config (configs/)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,11 @@
 """DESIGN.md's performance model: the time a decode step cannot beat, from the bytes it must move and the copy
-bandwidths measured on the device (device-to-device for HBM, one pinned host-to-device copy for PCIe).
+bandwidths of the device (device-to-device for HBM, one pinned host-to-device copy for PCIe). Pure functions of the
+geometry, the ShadowKV config, the hit rate and those bandwidths: no GPU needed; benchmarks/throughput.py measures the
+bandwidths and the hit rate and compares each step with its floor.
 
-    PYTHONPATH=. python -m benchmarks.perf_model --context 122880 --shares 0.1875 0.375 0.5 --out tier_share_floor.json
-prints (and writes) the floor at the memory model's largest batch for each device value share; the defaults are the
-H200 run of benchmarks/results/throughput.json (its memory plan, copy ceilings and fp8-landmark ShadowKV's hit rate).
+CLI: the floor at the memory model's largest batch for each device value share, from a run's measured figures:
+    python -m shadowkv_core.perf_model --hit-rate H --gpu-bytes G --host-bytes B --copy-gbps C --h2d-gbps P \
+        [--context 122880] [--shares 0.1875 0.375 0.5] [--out FILE]
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from shadowkv_core import ShadowKVConfig
-from shadowkv_core import memory_model as mm
+from . import memory_model as mm
+from .config import VALUE_FORMATS, ShadowKVConfig
 
 
 def kv_bytes(g: mm.Geometry, context: int) -> int:
@@ -76,31 +78,20 @@ def share_table(g: mm.Geometry, cfg: ShadowKVConfig, context: int, shares: list[
     return rows
 
 
-def ceilings(device: str) -> tuple[float, float]:
-    """(device copy, host-to-device) bytes/s measured now; on CPU nominal H200 figures (DESIGN.md)."""
-    if device != "cuda":
-        return 4.28e12, 55.2e9
-    from benchmarks.kernels import ceilings as measure
-
-    d2d, h2d = measure()
-    return d2d * 1e9, h2d * 1e9
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
-    from benchmarks.report import RESULTS
     parser = argparse.ArgumentParser(description="ShadowKV's floor at each device value share")
     parser.add_argument("--model", default="llama-3.1-8b", help=f"a preset ({', '.join(mm.PRESETS)}) or a config.json")
     parser.add_argument("--context", type=int, default=122880)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5])
-    parser.add_argument("--hit-rate", type=float, default=0.021, help="share of a step's chunks already resident")
-    parser.add_argument("--gpu-bytes", type=int, default=135098892288, help="the memory plan's device bytes")
-    parser.add_argument("--host-bytes", type=int, default=107037520691, help="the memory plan's host bytes")
+    parser.add_argument("--hit-rate", type=float, required=True, help="share of a step's chunks already resident")
+    parser.add_argument("--gpu-bytes", type=int, required=True, help="the memory plan's device bytes")
+    parser.add_argument("--host-bytes", type=int, required=True, help="the memory plan's host bytes")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--value-format", choices=mm.VALUE_FORMATS, default="fp8")
-    parser.add_argument("--landmark-format", choices=mm.VALUE_FORMATS, default="fp8")
-    parser.add_argument("--copy-gbps", type=float, default=4226.8, help="device-to-device copy ceiling")
-    parser.add_argument("--h2d-gbps", type=float, default=55.44, help="pinned host-to-device copy ceiling")
-    parser.add_argument("--out", default=None, help="JSON (relative paths land in benchmarks/results/)")
+    parser.add_argument("--value-format", choices=VALUE_FORMATS, default="fp8")
+    parser.add_argument("--landmark-format", choices=VALUE_FORMATS, default="fp8")
+    parser.add_argument("--copy-gbps", type=float, required=True, help="device-to-device copy ceiling")
+    parser.add_argument("--h2d-gbps", type=float, required=True, help="pinned host-to-device copy ceiling")
+    parser.add_argument("--out", default=None, help="also write the rows here (JSON)")
     args = parser.parse_args(argv)
     g = mm.load_geometry(args.model)
     cfg = ShadowKVConfig(value_format=args.value_format, landmark_format=args.landmark_format)
@@ -109,9 +100,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(" ".join(f"{k} {v:.4g}" for k, v in r.items()))
     if args.out:
-        out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
-        out.write_text(json.dumps({"command": "python -m benchmarks.perf_model " + " ".join(argv or sys.argv[1:]),
-                                   "note": "a model, not a measurement", "args": vars(args), "rows": rows}, indent=1))
+        command = "python -m shadowkv_core.perf_model " + " ".join(sys.argv[1:] if argv is None else argv)
+        Path(args.out).write_text(json.dumps({"command": command, "note": "a model, not a measurement",
+                                              "args": vars(args), "rows": rows}, indent=1))
     return rows
 
 
