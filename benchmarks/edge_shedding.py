@@ -27,9 +27,8 @@ import httpx
 from benchmarks.load import percentile
 from benchmarks.report import print_table, write_json
 from serve_app.edge import EDGE_ENV
-from serve_app.local import local_service, wait_drained
+from serve_app.local import local_service, send_at_once, wait_drained
 from shadowkv_core.tiny_model import build_tiny_model
-from tests.support.burst import send_at_once
 
 SLOTS = 2
 HOLD_TOKENS = 3000  # the holding streams outlast the probes

@@ -45,9 +45,8 @@ from benchmarks.edge_shedding import burst_summary
 from benchmarks.report import print_table
 from serve_app.app import AppArgs, engine_config, resolve_model
 from serve_app.edge import EDGE_ENV, SHED_HEADER
-from serve_app.local import ray_session, serve_on_loopback
+from serve_app.local import ray_session, send_at_once, serve_on_loopback
 from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, write_geometry
-from tests.support.burst import send_at_once
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "shadowkv"

@@ -1,20 +1,21 @@
 """A local Ray Serve instance of this service, on loopback, for tests and benchmarks: Ray (2 CPUs, no dashboard),
-Serve on a free 127.0.0.1 port, the app built from `build_app` args; and the engine replicas' own stats. Not used by
-the deployed service, which Serve starts from a config (configs/)."""
+Serve on a free 127.0.0.1 port, the app built from `build_app` args; the engine replicas' own stats; and a burst of
+requests sent to it at once. Not used by the deployed service, which Serve starts from a config (configs/)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import ray
 from ray import serve
 
 from serve_app.app import build_app
-from serve_app.edge import EDGE_ENV
+from serve_app.edge import EDGE_ENV, SHED_HEADER
 
 
 def free_port() -> int:
@@ -85,3 +86,37 @@ def wait_drained(app: str, within_s: float) -> dict:
         time.sleep(0.02)
         stats = engine_stats(app)
     return stats
+
+
+async def send_at_once(url: str, content: bytes, n: int, timeout_s: float, shared_client: bool = False,
+                       on_reply: Callable[[dict], None] | None = None) -> list[dict]:
+    """`n` POSTs of the JSON `content` to /v1/completions at once, over connections opened beforehand; per request:
+    status, latency `s` from its own send, `sent_s` (its send after the first's), `edge` (answered by the proxy's
+    edge shedding), Retry-After, completion tokens. One httpx client per request unless `shared_client`: one
+    AsyncClient's pool hands concurrent requests to its connections one after another, at a cost that grows with the
+    requests pending, so the last ones would be measured waiting for the client."""
+    headers = {"content-type": "application/json"}
+    timeout = httpx.Timeout(timeout_s, connect=10)
+    async with contextlib.AsyncExitStack() as stack:
+        if shared_client:
+            one = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=n))
+            clients = [await stack.enter_async_context(one)] * n
+        else:
+            clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout))
+                       for _ in range(n)]
+        await asyncio.gather(*(client.get("/health") for client in clients))  # open the connections
+        requests = [client.build_request("POST", "/v1/completions", content=content, headers=headers)
+                    for client in clients]
+        start = time.monotonic()
+
+        async def one(client: httpx.AsyncClient, request: httpx.Request) -> dict:
+            sent = time.monotonic()
+            r = await client.send(request)
+            reply = {"status": r.status_code, "s": time.monotonic() - sent, "sent_s": sent - start,
+                     "edge": r.headers.get(SHED_HEADER) == "edge", "retry_after": r.headers.get("Retry-After"),
+                     "completion_tokens": r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None}
+            if on_reply is not None:
+                on_reply(reply)
+            return reply
+
+        return await asyncio.gather(*(one(client, request) for client, request in zip(clients, requests)))

@@ -11,10 +11,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from serve_app.local import engine_stats, local_service
+from serve_app.local import engine_stats, local_service, send_at_once
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
-from support.burst import send_at_once
 from support.serve import assert_engine_drains
 
 APP = "shadowkv"

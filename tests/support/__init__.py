@@ -1,4 +1,3 @@
 """What several test modules share: tiny Hugging Face models of every supported family (model_factory), the checks of
-a real local Ray Serve instance of the service (serve), a burst of requests sent at once (burst), and a module's
-command line run as its users run it (cli). The tests import it as `support` (pytest puts tests/ on sys.path); the
-benchmarks that drive a burst as `tests.support`."""
+a real local Ray Serve instance of the service (serve), and a module's command line run as its users run it (cli).
+The tests import it as `support` (pytest puts tests/ on sys.path)."""
