@@ -37,13 +37,16 @@ def infinite_memory_tok_s(g: mm.Geometry, context: int, copy_bps: float) -> floa
 
 def shadowkv_floor_parts(g: mm.Geometry, cfg: ShadowKVConfig, context: int, batch: int, hit_rate: float,
                          copy_bps: float, h2d_bps: float) -> dict[str, float]:
-    """Seconds of one decode step's bytes, by where they move: `hbm_s` per layer and sequence, landmarks M*S/C, exact
-    K and V of outliers, selected chunks and local window, missed chunks' U rows, and the device_value_share of the
-    missed chunks' values (their pages in device memory); `pcie_s` the rest of the missed chunks' values (as the host
-    stores them: fp8 values move their chunk's scales too); `weights_s` the weights, once."""
+    """Seconds of one decode step's bytes, by where they move: `hbm_s` per layer and sequence, every chunk's landmark
+    (as the GPU pages store it: fp8 landmarks with their scales, and the outlier flags), exact K and V of outliers,
+    selected chunks and local window, missed chunks' U rows, and the device_value_share of the missed chunks' values
+    (their pages in device memory); `pcie_s` the rest of the missed chunks' values (as the host stores them: fp8 values
+    move their chunk's scales too); `weights_s` the weights, once."""
     M, C, K, O = g.kv_width * g.dtype_bytes, cfg.chunk_size, cfg.budget_chunks, cfg.outlier_chunks
     misses = (1 - hit_rate) * K  # per KV head
-    hbm = M * context / C + 2 * M * ((K + O) * C + cfg.local_chunks * C)
+    chunk_u = C * cfg.rank * g.dtype_bytes
+    landmark = mm.gpu_page_bytes(g, cfg) / (g.num_layers * cfg.page_chunks) - chunk_u  # one chunk, every KV head
+    hbm = landmark * context / C + 2 * M * ((K + O) * C + cfg.local_chunks * C)
     hbm += misses * g.num_kv_heads * C * cfg.rank * g.dtype_bytes
     chunk_values = mm.host_page_bytes(g, cfg) / (g.num_layers * cfg.page_chunks)  # one chunk, every KV head
     hbm += cfg.device_value_share * misses * chunk_values

@@ -47,9 +47,10 @@ def test_floor_at_each_device_value_share(tmp_path):
     for r in rows:
         share, batch = r["device_value_share"], r["batch"]
         assert batch == mm.capacity(G8B, dataclasses.replace(fp8, device_value_share=share), gpu, host, [122880], 256)
-        # per layer and sequence, by hand: landmarks of every chunk, the exact K and V of the selected, outlier and
-        # local chunks, the missed chunks' U rows (rank 160), and the missed values kept on the device
-        hbm = 2 * KV_WIDTH * 122880 / 8 + 2 * 2 * KV_WIDTH * (256 + 48 + 4) * 8 + misses * 8 * 8 * 160 * 2
+        # per layer and sequence, by hand: every chunk's fp8 landmark with its 8 heads' scales and outlier flags, the
+        # exact K and V of the selected, outlier and local chunks, the missed chunks' U rows (rank 160), and the
+        # missed values kept on the device
+        hbm = (KV_WIDTH + 8 * 4 + 8) * 122880 / 8 + 2 * 2 * KV_WIDTH * (256 + 48 + 4) * 8 + misses * 8 * 8 * 160 * 2
         hbm += share * misses * chunk_values
         pcie = (1 - share) * misses * chunk_values
         hbm_ms, pcie_ms = (1e3 * 32 * batch * b / (gbps * 1e9) for b, gbps in ((hbm, copy_gbps), (pcie, h2d_gbps)))
