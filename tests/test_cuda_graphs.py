@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) give the eager path's tokens, for the dense cache,
 ShadowKV (bf16 and fp8 host values, whole and pipelined batches, with and without a device value share) and batches
-that mix the two and shrink as requests finish; async decode (EngineConfig.async_decode) gives sync decode's. On CPU: the
-keys a graph is looked up by stay put from step to step."""
+that mix the two and shrink as requests finish; async decode (EngineConfig.async_decode) gives sync decode's. On CPU:
+the keys a graph is looked up by stay put from step to step."""
 import pytest
 import torch
 

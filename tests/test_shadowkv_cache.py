@@ -1,6 +1,7 @@
 """The ShadowKV cache (with its dense side for short sequences, as an engine holds it), driven through `attend` on
 random q/k/v: at full budget and full rank it equals dense exact attention over the whole cache, for ragged batches,
-through prefill and decode steps that fold the window; at a small budget it attends exactly to the chunks it selected."""
+through prefill and decode steps that fold the window; at a small budget it attends exactly to the chunks it
+selected."""
 import pytest
 import torch
 

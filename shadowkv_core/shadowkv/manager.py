@@ -55,8 +55,8 @@ class ShadowKVManager(CacheManager):
     def _shortfall(self, n: int, free: bool) -> list[str]:
         """What a sequence of n pages lacks, in what is free now (or, free False, in the whole pools)."""
         d = device_value_pages(self.config, n)
-        need = ((self.slots, 1, "slots"), (self.gpu_pages, n, "GPU pages"), (self.host_pages, n - d, "host value pages"),
-                (self.device_value_pages, d, "device value pages"))
+        need = ((self.slots, 1, "slots"), (self.gpu_pages, n, "GPU pages"),
+                (self.host_pages, n - d, "host value pages"), (self.device_value_pages, d, "device value pages"))
         room = [(pool.num_free if free else pool.num_blocks, k, what) for pool, k, what in need]
         return [f"{what} ({k} needed, {r} {'free' if free else 'in all'})" for r, k, what in room if k > r]
 

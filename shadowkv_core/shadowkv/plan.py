@@ -24,7 +24,8 @@ class PageTables:
         self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch -> (its states, its tables)
 
     def of(self, states: list[SequenceState]) -> torch.Tensor:
-        """A fresh copy, the plan's own (a captured graph keeps the plan's tensors as its inputs and overwrites them)."""
+        """A fresh copy, the plan's own (a captured graph keeps the plan's tensors as its inputs, and overwrites
+        them)."""
         key = tuple(map(id, states))
         held = self._tables.pop(key, None)
         if held is None:
