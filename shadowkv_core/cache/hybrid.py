@@ -51,7 +51,8 @@ class HybridManager(CacheManager):
 @dataclass
 class BatchSplit:
     """A forward's sequences split between the two caches: each side's metadata (None: no sequence there; the whole
-    forward's own when every sequence is on that side) and the rows of the forward's tokens it holds."""
+    forward's own when every sequence is on that side) and, when both sides have sequences, the rows of the forward's
+    tokens each holds."""
 
     dense_meta: AttentionMetadata | None
     dense_rows: torch.Tensor  # (T_dense,) int64
@@ -76,15 +77,17 @@ class HybridCache(KVCache):
         if held is not None and held[0] is meta:
             return held[1]
         in_shadow = [self.manager.in_shadow(seq_id) for seq_id in meta.seq_ids]
-        sides = []
-        for shadow in (False, True):
-            index = [i for i, s in enumerate(in_shadow) if s == shadow]
-            rows = [r for i in index for r in range(meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i])]
-            rows = to_device(rows, torch.int64, meta.positions.device)
-            sub = None if not index else meta if len(index) == meta.num_seqs else meta.subset(index,
-                                                                                              meta.positions[rows])
-            sides += [sub, rows]
-        split = BatchSplit(*sides)
+        if all(in_shadow) or not any(in_shadow):  # one side: the forward passes through as it is
+            none = torch.empty(0, dtype=torch.int64)
+            split = BatchSplit(None, none, meta, none) if all(in_shadow) else BatchSplit(meta, none, None, none)
+        else:
+            starts, sides = meta.query_starts, []
+            for shadow in (False, True):
+                index = [i for i, s in enumerate(in_shadow) if s == shadow]
+                rows = [r for i in index for r in range(starts[i], starts[i] + meta.query_lens[i])]
+                rows = to_device(rows, torch.int64, meta.positions.device)
+                sides += [meta.subset(index, meta.positions[rows]), rows]
+            split = BatchSplit(*sides)
         self._splits[id(meta)] = (meta, split)
         return split
 
