@@ -1,7 +1,7 @@
 """Memory model: the bytes a sequence holds on the GPU and on the host, the fixed cost of a replica, and from them
 the batch a replica can hold. Pure functions of the model geometry and the configs: no GPU needed.
 
-The same formulas size the engine's pools (cache/build.py), so what the router admits is what the engine
+The same formulas size the engine's pools (engine/cache_factory.py), so what the router admits is what the engine
 allocates. Per sequence, ShadowKV holds a slot (sparse buffer, outliers, local + generated window, its key basis)
 and pages of U rows + landmarks on the GPU, and pages of values on the host; a dense sequence holds K/V blocks.
 

@@ -9,7 +9,7 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.attention import attention_ref, prefill_attention_ref
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
-from shadowkv_core.cache.hybrid import HybridCache
+from shadowkv_core.shadowkv.hybrid import HybridCache
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.models.rotary import RotaryEmbedding
 from shadowkv_core.models.spec import ModelSpec

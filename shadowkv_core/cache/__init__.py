@@ -1,3 +1,3 @@
 """KV caches as the engine sees them: a manager (CPU bookkeeping of what each sequence holds) and a cache (the device
-side a forward's attention layers call). `dense` keeps every token's keys and values in blocks; `hybrid` keeps short
-sequences dense and long ones in the shadow (`shadowkv_core.shadowkv`); `build` sizes and builds an engine's cache."""
+side a forward's attention layers call), in `base`; `dense` keeps every token's keys and values in blocks. The shadow
+(`shadowkv_core.shadowkv`) builds on these, and its `hybrid` cache keeps short sequences in a dense one."""

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.build import build_cache
-from ..cache.hybrid import HybridCache
+from ..shadowkv.hybrid import HybridCache
 from ..config import EngineConfig, ShadowKVConfig, choose
 from ..models import load_model, load_tokenizer
 from ..transfers import Readback
+from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
 from .sampler import sample
 from .sampling import SamplingParams

@@ -1,5 +1,5 @@
 """ShadowKVCache: the device side of the shadow (what DESIGN's data path calls the shadow) for sequences kept in
-shadows; cache.hybrid.HybridCache keeps the short ones in a dense cache beside it.
+shadows; hybrid.HybridCache keeps the short ones in a dense cache beside it.
 
 Prefill factorises a sequence's keys, finds landmarks and outliers and sends its values to the value store
 (prefill.py); each decode step selects chunks, rebuilds and fetches the misses and attends over

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ShadowKVConfig
-from ..shadowkv.cache import ShadowKVCache
-from ..shadowkv.manager import ShadowKVManager
-from ..transfers import to_device
-from .base import AttentionMetadata, CacheManager, KVCache
-from .dense import DenseKVCache, DenseManager
+from shadowkv_core.cache.base import AttentionMetadata, CacheManager, KVCache
+from shadowkv_core.cache.dense import DenseKVCache, DenseManager
+from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.manager import ShadowKVManager
+from shadowkv_core.transfers import to_device
 
 
 class HybridManager(CacheManager):

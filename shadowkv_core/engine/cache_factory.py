@@ -8,12 +8,12 @@ import logging
 import torch
 
 from .. import memory_model as mm
+from ..cache.base import CacheSpec, KVCache
+from ..cache.dense import DenseKVCache
 from ..config import AUTO, EngineConfig, ShadowKVConfig
 from ..numa import placement_for_cuda_device
 from ..shadowkv.cache import ShadowKVCache
-from .base import CacheSpec, KVCache
-from .dense import DenseKVCache
-from .hybrid import HybridCache
+from ..shadowkv.hybrid import HybridCache
 
 logger = logging.getLogger(__name__)
 
