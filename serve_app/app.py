@@ -19,8 +19,7 @@ from ray.serve import Application
 from serve_app.engine_replica import EngineReplica
 from serve_app.ingress import Ingress
 from serve_app.limits import RequestLimits
-from shadowkv_core import ShadowKVConfig
-from shadowkv_core.config import PRESETS
+from shadowkv_core.config import engine_fields
 
 logger = logging.getLogger("ray.serve")
 TINY_MODEL_DIR = Path(os.environ.get("SHADOWKV_CACHE", Path.home() / ".cache" / "shadowkv")) / "tiny-model"
@@ -93,19 +92,8 @@ def validated_model(path: Path, args: AppArgs) -> str:
     return args.model
 
 
-def shadowkv_config(spec: str | dict[str, Any] | None) -> ShadowKVConfig | None:
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        if spec not in PRESETS:
-            raise ValueError(f"shadowkv: unknown preset {spec!r}; presets are {sorted(PRESETS)}")
-        return PRESETS[spec]
-    return ShadowKVConfig(**spec)
-
-
 def engine_config(args: AppArgs, model: str) -> dict[str, Any]:
-    return {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len, "shadowkv": shadowkv_config(args.shadowkv), **args.engine}
+    return engine_fields(args.model_dump(), model)
 
 
 def replica_options(args: AppArgs) -> dict[str, Any]:

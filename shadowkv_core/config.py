@@ -184,3 +184,21 @@ PRESETS = {
     "small": ShadowKVConfig(rank=40, chunk_size=8, sparse_budget=256, outlier_chunks=8, local_chunks=4,
                             min_context=1024, decode_window=128),
 }
+
+
+def shadowkv_from(spec: str | dict | None) -> ShadowKVConfig | None:
+    """A Serve config's `shadowkv`: a preset name (PRESETS), ShadowKVConfig fields, or None (dense attention)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"shadowkv: unknown preset {spec!r}; presets are {sorted(PRESETS)}")
+        return PRESETS[spec]
+    return ShadowKVConfig(**spec)
+
+
+def engine_fields(app_args: dict, model: str) -> dict:
+    """The EngineConfig fields an engine replica gets from a Serve application's args (configs/*.yaml): device, dtype,
+    max_num_seqs, max_model_len, shadowkv, and the `engine` mapping's own fields; `model` as resolved."""
+    fields = {key: app_args[key] for key in ("device", "dtype", "max_num_seqs", "max_model_len") if key in app_args}
+    return {"model": model, **fields, "shadowkv": shadowkv_from(app_args.get("shadowkv")), **app_args.get("engine", {})}
