@@ -54,6 +54,7 @@ class LLMEngine:
         self.in_flight: InFlightDecode | None = None
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
+        self.last_step_prefilled = False  # whether the last step() ran layers of a prefill
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         # Seconds per prompt token of the fastest recent prefill run with nothing decoding beside it (next_finish_s)
@@ -176,6 +177,7 @@ class LLMEngine:
                 outputs += self._run(self.runner.decode, decode)
         if decode and self._prefill_clock is not None:
             self._prefill_clock = (self._prefill_clock[0], False)
+        self.last_step_prefilled = self.prefill_job is not None
         if self.prefill_job is not None:
             job = self.prefill_job
             num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)

@@ -21,12 +21,14 @@ class StepCounters:
 class StepCounts:
     """The reference path adds to `current` as it runs. The kernel path counts its misses on the device, summed over
     a step's layers, and hands them over once per step; they are read when `last` is asked for and that step has
-    finished, never waiting (with async decode, usually the step before the one in flight)."""
+    finished, never waiting (with async decode, usually the step before the one in flight). `total` sums every step
+    read so far."""
 
     def __init__(self, fetch_bytes: int):
         self.fetch_bytes = fetch_bytes  # host bytes of one chunk of one KV head
         self.current = StepCounters()
         self._last = StepCounters()
+        self._total = StepCounters()
         self._unread: deque[tuple[StepCounters | int, Readback | None]] = deque()
 
     def end_step(self, device_counts: tuple[int, torch.Tensor] | None) -> None:
@@ -54,8 +56,13 @@ class StepCounts:
                 counters = StepCounters(counters, counters - fetched, fetched,
                                         (fetched - from_device) * self.fetch_bytes, from_device)
             self._last = counters
+            for name, value in vars(counters).items():
+                setattr(self._total, name, getattr(self._total, name) + value)
 
     def stats(self) -> dict[str, float]:
-        last = self.last
+        """The last finished step's figures, and every finished step's totals (`*_total`, counters that only grow)."""
+        last, total = self.last, self._total
         return {"hit_rate": last.hits / last.selected if last.selected else 0.0, "chunks_fetched": last.fetched,
-                "bytes_fetched": last.bytes_fetched, "chunks_from_device": last.from_device}
+                "bytes_fetched": last.bytes_fetched, "chunks_from_device": last.from_device,
+                "chunks_selected_total": total.selected, "chunk_hits_total": total.hits,
+                "chunks_fetched_total": total.fetched, "bytes_fetched_total": total.bytes_fetched}

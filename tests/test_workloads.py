@@ -1,0 +1,138 @@
+"""The workload benchmark through its command line (benchmarks/workloads): the scenarios are seeded and exactly the
+sizes they name; the offline driver serves every scenario with every method on the tiny and the shipped model, each
+request getting exactly the tokens it asked for, each turn of a conversation carrying the turns before it; and the
+figures it reports are those of the token timings it recorded."""
+import json
+
+import numpy as np
+import pytest
+
+from support.cli import run_module
+
+K = 1024
+SMALL = ["--scale", "0.02", "--count-scale", "0.25"]
+
+
+def dump(tmp_path, *args: str) -> dict:
+    out = tmp_path / "dump.json"
+    run_module("benchmarks.workloads", "--dump-workload", str(out), *args, timeout_s=300)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def full_size(tmp_path_factory):
+    return dump(tmp_path_factory.mktemp("dump"), "--seed", "3")
+
+
+def within(values, low, high):
+    return all(low <= v <= high for v in values)
+
+
+def test_scenarios_are_the_sizes_they_name(full_size):
+    d = full_size
+    assert [len(d[s]) for s in ("doc_qa", "long_output", "multi_turn", "shared_doc", "mixed")] == [16, 16, 8, 32, 32]
+    for name, answers in (("doc_qa", (128, 1024)), ("long_output", (4 * K, 8 * K))):
+        assert within([c["document_tokens"] for c in d[name]], 32 * K, 120 * K)
+        assert all(len(c["turns"]) == 1 and c["turns"][0]["question_tokens"] == 0 for c in d[name])
+        assert within([c["turns"][0]["max_tokens"] for c in d[name]], *answers)
+    multi = d["multi_turn"]
+    assert within([c["document_tokens"] for c in multi], 64 * K, 120 * K) and {len(c["turns"]) for c in multi} == {6}
+    turns = [t for c in multi for t in c["turns"]]
+    assert within([t["question_tokens"] for t in turns], 50, 200) and {t["max_tokens"] for t in turns} == {256}
+    shared = d["shared_doc"]
+    assert {(c["document_tokens"], c["document_fingerprint"]) for c in shared} == \
+        {(120 * K, shared[0]["document_fingerprint"])}  # one document for every user
+    assert within([c["turns"][0]["question_tokens"] for c in shared], 50, 200)
+    docs = [c["document_tokens"] for c in d["mixed"]]
+    assert all(1 * K <= n <= 8 * K or 32 * K <= n <= 120 * K for n in docs)
+    assert 0.4 < sum(n <= 8 * K for n in docs) / len(docs) < 0.95  # about 70 % short
+    assert {c["arrival_s"] for s in d for c in d[s]} == {0.0}  # offline: everything at t=0
+    assert len({c["document_fingerprint"] for c in d["doc_qa"]}) == 16  # distinct prompts
+
+
+def test_workloads_are_seeded(full_size, tmp_path):
+    assert dump(tmp_path, "--seed", "3", "--scenarios", "multi_turn") == {"multi_turn": full_size["multi_turn"]}
+    assert dump(tmp_path, "--seed", "4", "--scenarios", "multi_turn") != {"multi_turn": full_size["multi_turn"]}
+
+
+def test_online_arrivals_are_a_poisson_process_of_the_rate(tmp_path):
+    d = dump(tmp_path, "--scenarios", "doc_qa", "--scale", "0.001", "--count-scale", "40", "--rate", "2.0")
+    arrivals = [c["arrival_s"] for c in d["doc_qa"]]
+    gaps = np.diff([0.0, *arrivals])
+    assert len(arrivals) == 640 and (gaps > 0).all()
+    assert gaps.mean() == pytest.approx(0.5, rel=0.1) and gaps.std() == pytest.approx(0.5, rel=0.15)  # exponential
+
+
+def check_run(rows: list[dict], scenarios: list[str]) -> None:
+    """Every request got exactly its max_tokens; turns carry the conversation; figures are the events'."""
+    assert sorted((r["scenario"], r["method"]) for r in rows) == sorted((s, m) for s in scenarios
+                                                                       for m in ("dense", "shadowkv"))
+    for row in rows:
+        records = row["request_records"]
+        assert row["requests"] == len(records) and row["errors"] == 0
+        assert all(q["finish_reason"] == "length" and q["error"] is None for q in records)
+        by_id = {q["request_id"]: q for q in records}
+        for q in records:
+            conversation, turn = q["request_id"][1:].split("-t")
+            if int(turn) > 0:  # the prompt grew by the answer before it and its own question
+                before = by_id[f"c{conversation}-t{int(turn) - 1}"]
+                assert q["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
+                assert q["sent_s"] >= before["events"][-1][0]
+        check_figures(row, records)
+    shadow = [r for r in rows if r["method"] == "shadowkv"]
+    assert all(0 <= r["hit_rate"] <= 1 for r in shadow) and all(r["hit_rate"] is None for r in rows
+                                                                if r["method"] == "dense")
+
+
+def check_figures(row: dict, records: list[dict]) -> None:
+    ttft = [q["events"][0][0] - q["sent_s"] for q in records]
+    itl = [(t - before) / n for q in records for (before, _), (t, n) in zip(q["events"], q["events"][1:])
+           for _ in range(n)]
+    output = sum(n for q in records for _, n in q["events"])
+    assert output == sum(q["output_tokens"] for q in records)
+    want = {"ttft_p50_s": np.percentile(ttft, 50), "ttft_p90_s": np.percentile(ttft, 90),
+            "ttft_p99_s": np.percentile(ttft, 99), "itl_p50_ms": 1e3 * np.percentile(itl, 50),
+            "itl_p99_ms": 1e3 * np.percentile(itl, 99), "output_tok_s": output / row["wall_s"],
+            "requests_per_min": 60 * len(records) / row["wall_s"]}
+    assert {k: row[k] for k in want} == pytest.approx(want)
+    met = sum(t <= row["ttft_bound_s"] and (len(q["events"]) < 2 or 1e3 * np.percentile(
+        [(b - a) / n for (a, _), (b, n) in zip(q["events"], q["events"][1:]) for _ in range(n)], 99)
+        <= row["itl_bound_ms"]) for q, t in zip(records, ttft))
+    assert row["goodput_per_min"] == pytest.approx(60 * met / row["wall_s"])
+
+
+@pytest.mark.parametrize("model", ["tiny", "models/shadowkv-small"])
+def test_the_offline_driver_serves_every_scenario(tmp_path, model):
+    out = tmp_path / "workloads.json"
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", model, *SMALL, "--events",
+               "--out", str(out), timeout_s=900)
+    saved = json.loads(out.read_text())
+    assert not saved["failures"] and saved["environment"]["command"]
+    check_run(saved["rows"], ["doc_qa", "long_output", "multi_turn", "shared_doc", "mixed"])
+
+
+def test_figures_from_known_timings(tmp_path):
+    """A hand-made run: two requests sent at 0 and 1 s, whose token events (some bringing several tokens, as a
+    streamed server's do) give figures worked out by hand; goodput under two sets of bounds."""
+    records = [
+        {"request_id": "c0-t0", "conversation": 0, "turn": 0, "sent_s": 0.0, "prompt_tokens": 10,
+         "events": [[0.5, 1], [0.6, 1], [0.9, 3]], "finish_reason": "length", "error": None},
+        {"request_id": "c1-t0", "conversation": 1, "turn": 0, "sent_s": 1.0, "prompt_tokens": 20,
+         "events": [[3.0, 2], [3.4, 2]], "finish_reason": "length", "error": None},
+    ]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"rows": [{"scenario": "doc_qa", "method": "dense", "wall_s": 4.0,
+                                         "ttft_bound_s": 1.0, "itl_bound_ms": 150.0, "request_records": records}]}))
+    out = tmp_path / "again.json"
+    run_module("benchmarks.workloads", "--resummarize", str(run), "--out", str(out), timeout_s=120)
+    (row,) = json.loads(out.read_text())["rows"]
+    # TTFT 0.5 and 2.0 s; ITL gaps: 0.1, then 0.3 s shared by 3 tokens (0.1 each), and 0.4 s by 2 (0.2 each)
+    assert row["ttft_p50_s"] == pytest.approx(1.25) and row["ttft_p99_s"] == pytest.approx(0.5 + 1.5 * 0.99)
+    assert row["itl_p50_ms"] == pytest.approx(100) and row["itl_p99_ms"] == pytest.approx(200)
+    assert row["e2e_p50_s"] == pytest.approx((0.9 + 2.4) / 2)
+    assert (row["output_tok_s"], row["total_tok_s"]) == pytest.approx((9 / 4, 39 / 4))
+    assert row["requests_per_min"] == pytest.approx(30) and row["goodput_per_min"] == pytest.approx(15)  # only c0
+    for bounds, goodput in (((3, 250), 30), ((3, 150), 15), ((3, 50), 0)):  # ITL p99: c0 100 ms, c1 200 ms
+        run_module("benchmarks.workloads", "--resummarize", str(run), "--ttft-bound-s", str(bounds[0]),
+                   "--itl-bound-ms", str(bounds[1]), "--out", str(out), timeout_s=120)
+        assert json.loads(out.read_text())["rows"][0]["goodput_per_min"] == pytest.approx(goodput), bounds
