@@ -50,7 +50,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         for r in rows:
             ttft = sorted(q["ttft_s"] for q in r["request_records"] if r["scenario"] == scenario and q["ttft_s"])
             if ttft:
-                ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=r["method"])
+                ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=r["method"],
+                        color=f"C{METHODS.index(r['method'])}")
         ax.set(title=scenario, xlabel="time to first token (s)", ylabel="share of requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
