@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shadowkv_core.engine.llm_engine import is_unicode_text
+from shadowkv_core.engine.text import is_unicode_text
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256

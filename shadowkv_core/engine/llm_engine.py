@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..shadowkv.hybrid import HybridCache
 from ..config import EngineConfig, ShadowKVConfig, choose
 from ..models import load_model, load_tokenizer
+from ..shadowkv.hybrid import HybridCache
 from ..transfers import Readback
 from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
@@ -18,6 +18,7 @@ from .sampler import sample
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
+from .text import TextProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class LLMEngine:
         self.model, self.spec = load_model(config.model, config.requested_dtype(), self.device,
                                            config.prefill_chunk_tokens, config.load_format)
         self.tokenizer = load_tokenizer(config.model)
+        self.text = TextProcessor(self.tokenizer)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
@@ -75,15 +77,7 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model ships no tokenizer; pass token ids")
-            if not prompt.isascii() and not is_unicode_text(prompt):
-                raise ValueError("prompt: must be valid Unicode text (it holds a lone surrogate)")
-            return self.tokenizer(prompt)["input_ids"]
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
+        return self.text.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field when a request can never run on this engine."""
@@ -275,13 +269,7 @@ class LLMEngine:
         params = seq.params
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         length = len(seq.output_token_ids) >= params.max_tokens
-        text = self._detokenize(seq, final=stopped or length)
-        for stop in params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                text, stopped = text[:at], True
-        # Text that may be the start of a stop string waits: streamed text is never taken back.
-        seq.text = text if stopped or length else text[:len(text) - _stop_prefix_len(text, params.stop)]
+        stopped |= self.text.update(seq, done=stopped or length)
         if stopped or length:
             seq.finish("stop" if stopped else "length")
             self._release(seq)
@@ -292,12 +280,6 @@ class LLMEngine:
         for seq in list(seqs):
             seq.finish("error", f"{type(exc).__name__}: {exc}")
             self._release(seq)
-
-    def _detokenize(self, seq: Sequence, final: bool) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        return text if final else text.rstrip("\ufffd")  # a partial UTF-8 character waits for its next bytes
 
     def _release(self, seq: Sequence) -> None:
         """Drop a finished, failed or aborted request from the running batch and the prefill under way, and free its
@@ -326,16 +308,3 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 **self.cache.stats()}
 
-
-def is_unicode_text(text: str) -> bool:
-    """False for a string holding lone surrogates (no UTF-8 encoding exists; tokenizers refuse it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins some stop string (0 if none)."""
-    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
