@@ -98,7 +98,8 @@ class Ingress:
         first = await self._first_event(events)
         model = self.info["model"]
         if request.stream:
-            fmt = ChunkFormatter(kind, request_id, model)
+            fmt = ChunkFormatter(kind, request_id, model,
+                                 len(prepared.prompt_token_ids) if request.continuous_usage else None)
             return StreamingResponse(sse_stream(prepend(first, events), fmt, request.include_usage),
                                      media_type="text/event-stream")
         return await collect(prepend(first, events), kind, request_id, model)

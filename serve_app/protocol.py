@@ -33,6 +33,8 @@ Text = Annotated[str, AfterValidator(_unicode_text)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -82,6 +84,12 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (as vLLM: continuous_usage_stats with
+        include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):

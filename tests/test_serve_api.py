@@ -98,6 +98,25 @@ def test_streaming_completion_with_usage(client, llm):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+def test_streamed_usage_with_and_without_continuous_usage_stats(client, continuous):
+    """continuous_usage_stats: each chunk's usage counts the completion tokens so far, rising to the final count;
+    without it only the last chunk (include_usage) has usage. Completions and chat alike."""
+    options = {"include_usage": True, "continuous_usage_stats": continuous}
+    common = dict(model=MODEL, max_tokens=12, temperature=0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})
+    for chunks in (list(client.completions.create(prompt=PROMPT, **common)),
+                   list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **common))):
+        final = chunks[-1].usage
+        assert chunks[-1].choices == [] and final.completion_tokens == 12
+        if not continuous:
+            assert all(c.usage is None for c in chunks[:-1])
+            continue
+        so_far = [c.usage.completion_tokens for c in chunks[:-1]]
+        assert len(so_far) > 2 and so_far == sorted(set(so_far)) and so_far[-1] == 12, so_far
+        assert {c.usage.prompt_tokens for c in chunks} == {final.prompt_tokens}
+
+
 def test_chat_completion_equals_llm_generate(client, llm):
     expected = llm.generate([_chat_ids(llm, "hello")], SamplingParams(max_tokens=6, temperature=0))[0]
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],

@@ -91,6 +91,22 @@ def test_sse_stream_chunks_usage_and_done():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_sse_stream_continuous_usage_counts_every_event(kind):
+    """With continuous usage every chunk carries the usage so far, and an event of tokens without text (part of a
+    UTF-8 character) gets its chunk; without it, only the usage chunk has usage, and that event sends nothing."""
+    def chunks(fmt):
+        lines = asyncio.run(_drain(sse_stream(_events(["a", "", "b"]), fmt, include_usage=True)))
+        return [json.loads(line[6:]) for line in lines[:-1]]
+    continuous = chunks(ChunkFormatter(kind, "x", "m", usage_prompt_tokens=3))
+    opening = [0] if kind == "chat" else []
+    assert [c["usage"]["completion_tokens"] for c in continuous] == [*opening, 1, 2, 3, 3]
+    assert {c["usage"]["prompt_tokens"] for c in continuous} == {3}
+    plain = chunks(ChunkFormatter(kind, "x", "m"))
+    assert [c["usage"] for c in plain[:-1]] == [None] * (len(opening) + 2)
+    assert plain[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
 def test_sse_data_lines_survive_line_splitting_on_unicode_breaks():
     """Generated text may hold U+0085, U+2028 or U+2029, which JSON leaves raw and str.splitlines (as httpx's
     aiter_lines) breaks lines at: each event is still one line, and its text comes back whole."""
