@@ -91,6 +91,7 @@ class EngineReplica:
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._stats = self.engine.stats()
+        self._peak = self._in_use()  # the most bytes in use after any step since the last routing report
         self._next_free_at: float | None = None  # LLMEngine.next_finish_s after the last step, as a wall-clock time
         self._step_started: float | None = None
         self._loop_task: asyncio.Task | None = None
@@ -139,7 +140,8 @@ class EngineReplica:
         gpu_held = sum(h.gpu_bytes for h in self._held.values())
         host_held = sum(h.host_bytes for h in self._held.values())
         s = self._stats
-        return {**s,
+        peak, self._peak = self._peak, self._in_use()
+        return {**s, "gpu_bytes_peak": peak[0], "host_bytes_peak": peak[1],
                 "free_gpu_bytes": s["gpu_bytes_total"] - max(gpu_held, s["gpu_bytes_in_use"]),
                 "free_host_bytes": s["host_bytes_total"] - max(host_held, s["host_bytes_in_use"]),
                 "free_slots": self.max_num_seqs - len(self._held), "num_slots": self.max_num_seqs,
@@ -220,8 +222,12 @@ class EngineReplica:
             self._executor.submit(self.engine.abort, request_id)
         return StepResult([], [(rid, 500, message) for rid in request_ids], self._stats, False)
 
+    def _in_use(self) -> tuple[int, int]:
+        return self._stats["gpu_bytes_in_use"], self._stats["host_bytes_in_use"]
+
     def _dispatch(self, result: StepResult) -> None:
         self._stats = result.stats
+        self._peak = tuple(map(max, self._peak, self._in_use()))
         self._next_free_at = result.next_free_at
         for request_id, status, message in result.refused:
             if request_id in self._held:

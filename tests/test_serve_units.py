@@ -222,14 +222,16 @@ def test_metrics_render_prometheus_text():
     metrics.record_tokens(20)
     metrics.ttft.observe(0.2)
     metrics.itl.observe(0.01)
-    reports = [{"gpu_bytes_in_use": 10, "host_bytes_in_use": 3, "hit_rate": 0.5, "chunks_selected_total": 8,
-                "chunk_hits_total": 6}, {"gpu_bytes_in_use": 5, "chunks_selected_total": 4, "chunk_hits_total": 1}]
+    reports = [{"gpu_bytes_in_use": 10, "gpu_bytes_peak": 12, "host_bytes_in_use": 3, "hit_rate": 0.5,
+                "chunks_selected_total": 8, "chunk_hits_total": 6},
+               {"gpu_bytes_in_use": 5, "gpu_bytes_peak": 9, "chunks_selected_total": 4, "chunk_hits_total": 1}]
     text = metrics.render(reports, 2, 1).decode()
     for name in ("shadowkv_admission_queue_depth 2.0", "shadowkv_requests_admitted_total 1.0",
                  'shadowkv_requests_rejected_total{reason="rate_limit_exceeded"} 1.0', "shadowkv_tokens_per_second 2.0",
                  "shadowkv_time_to_first_token_seconds_bucket", "shadowkv_inter_token_latency_seconds_count 1.0",
                  "shadowkv_hit_rate 0.5", "shadowkv_gpu_bytes_in_use 15.0", "shadowkv_host_bytes_in_use 3.0",
-                 "shadowkv_chunks_selected_total 12.0", "shadowkv_chunk_hits_total 7.0"):
+                 "shadowkv_gpu_bytes_peak 21.0", "shadowkv_chunks_selected_total 12.0",
+                 "shadowkv_chunk_hits_total 7.0"):
         assert name in text, name
 
 
