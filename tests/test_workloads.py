@@ -61,6 +61,8 @@ def test_online_arrivals_are_a_poisson_process_of_the_rate(tmp_path):
     gaps = np.diff([0.0, *arrivals])
     assert len(arrivals) == 640 and (gaps > 0).all()
     assert gaps.mean() == pytest.approx(0.5, rel=0.1) and gaps.std() == pytest.approx(0.5, rel=0.15)  # exponential
+    at_t0 = dump(tmp_path, "--scenarios", "doc_qa", "--scale", "0.001", "--count-scale", "40")
+    assert [{**c, "arrival_s": 0.0} for c in d["doc_qa"]] == at_t0["doc_qa"]  # the same conversations at any rate
 
 
 def check_run(rows: list[dict], scenarios: list[str]) -> None:

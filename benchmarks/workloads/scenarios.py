@@ -74,9 +74,9 @@ def _scaled(r: tuple[int, int], scale: float, least: int) -> tuple[int, int]:
 def make_workload(name: str, seed: int, vocab_size: int, scale: float = 1.0, count_scale: float = 1.0,
                   rate: float | None = None) -> list[Conversation]:
     """The scenario's conversations, the same for the same arguments. rate: first turns per second (a Poisson
-    process), None: every conversation at t=0."""
+    process, drawn apart from the tokens: every rate sends the same conversations), None: every conversation at t=0."""
     spec = SCENARIOS[name]
-    rng = random.Random(f"{name}:{seed}")
+    rng, arrivals = random.Random(f"{name}:{seed}"), random.Random(f"{name}:{seed}:arrivals")
     count = max(1, round(spec.conversations * count_scale))
     documents = [_scaled(r, scale, 8) for r in spec.documents]
     questions = _scaled(spec.questions, scale, 1) if spec.questions != (0, 0) else (0, 0)
@@ -92,7 +92,7 @@ def make_workload(name: str, seed: int, vocab_size: int, scale: float = 1.0, cou
     clock, out = 0.0, []
     for i in range(count):
         if rate is not None:
-            clock += rng.expovariate(rate)
+            clock += arrivals.expovariate(rate)
         turns = tuple(Turn(tokens(questions), rng.randint(*answers)) for _ in range(spec.turns))
         out.append(Conversation(i, clock, shared or document(), turns))
     return out
