@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 
 from support.cli import run_module
+from support.workloads import METHODS, SCENARIOS, SMALL, check_run, dump
 
 K = 1024
-SMALL = ["--scale", "0.02", "--count-scale", "0.25"]
-
-
-def dump(tmp_path, *args: str) -> dict:
-    out = tmp_path / "dump.json"
-    run_module("benchmarks.workloads", "--dump-workload", str(out), *args, timeout_s=300)
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -65,44 +59,6 @@ def test_online_arrivals_are_a_poisson_process_of_the_rate(tmp_path):
     assert [{**c, "arrival_s": 0.0} for c in d["doc_qa"]] == at_t0["doc_qa"]  # the same conversations at any rate
 
 
-def check_run(rows: list[dict], scenarios: list[str]) -> None:
-    """Every request got exactly its max_tokens; turns carry the conversation; figures are the events'."""
-    assert sorted((r["scenario"], r["method"]) for r in rows) == sorted((s, m) for s in scenarios
-                                                                       for m in ("dense", "shadowkv"))
-    for row in rows:
-        records = row["request_records"]
-        assert row["requests"] == len(records) and row["errors"] == 0
-        assert all(q["finish_reason"] == "length" and q["error"] is None for q in records)
-        by_id = {q["request_id"]: q for q in records}
-        for q in records:
-            conversation, turn = q["request_id"][1:].split("-t")
-            if int(turn) > 0:  # the prompt grew by the answer before it and its own question
-                before = by_id[f"c{conversation}-t{int(turn) - 1}"]
-                assert q["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
-                assert q["sent_s"] >= before["events"][-1][0]
-        check_figures(row, records)
-    shadow = [r for r in rows if r["method"] == "shadowkv"]
-    assert all(0 <= r["hit_rate"] <= 1 for r in shadow) and all(r["hit_rate"] is None for r in rows
-                                                                if r["method"] == "dense")
-
-
-def check_figures(row: dict, records: list[dict]) -> None:
-    ttft = [q["events"][0][0] - q["sent_s"] for q in records]
-    itl = [(t - before) / n for q in records for (before, _), (t, n) in zip(q["events"], q["events"][1:])
-           for _ in range(n)]
-    output = sum(n for q in records for _, n in q["events"])
-    assert output == sum(q["output_tokens"] for q in records)
-    want = {"ttft_p50_s": np.percentile(ttft, 50), "ttft_p90_s": np.percentile(ttft, 90),
-            "ttft_p99_s": np.percentile(ttft, 99), "itl_p50_ms": 1e3 * np.percentile(itl, 50),
-            "itl_p99_ms": 1e3 * np.percentile(itl, 99), "output_tok_s": output / row["wall_s"],
-            "requests_per_min": 60 * len(records) / row["wall_s"]}
-    assert {k: row[k] for k in want} == pytest.approx(want)
-    met = sum(t <= row["ttft_bound_s"] and (len(q["events"]) < 2 or 1e3 * np.percentile(
-        [(b - a) / n for (a, _), (b, n) in zip(q["events"], q["events"][1:]) for _ in range(n)], 99)
-        <= row["itl_bound_ms"]) for q, t in zip(records, ttft))
-    assert row["goodput_per_min"] == pytest.approx(60 * met / row["wall_s"])
-
-
 @pytest.mark.parametrize("model, isolate", [("tiny", "--isolate"), ("models/shadowkv-small", "--no-isolate")])
 def test_the_offline_driver_serves_every_scenario(tmp_path, model, isolate):
     """Each run in a fresh process (as on CUDA) for the tiny model, in this one for the shipped model."""
@@ -111,7 +67,8 @@ def test_the_offline_driver_serves_every_scenario(tmp_path, model, isolate):
                isolate, "--out", str(out), timeout_s=900)
     saved = json.loads(out.read_text())
     assert not saved["failures"] and saved["environment"]["command"]
-    check_run(saved["rows"], ["doc_qa", "long_output", "multi_turn", "shared_doc", "mixed"])
+    workloads = dump(tmp_path, "--config", "configs/local.yaml", "--model", model, *SMALL)
+    check_run(saved["rows"], [(s, m) for s in SCENARIOS for m in METHODS], workloads)
 
 
 def test_figures_from_known_timings(tmp_path):

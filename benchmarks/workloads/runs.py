@@ -1,49 +1,64 @@
-"""One run of the workload benchmark: a method's engine built from a Serve config, warmed up, serving one scenario;
-a module of its own so that a fresh process (one per run on CUDA) can import it."""
+"""The workload benchmark's runs: an offline run (a method's engine built from a Serve config, warmed up, serving one
+scenario; in a module of its own so that a fresh process, one per run on CUDA, can import it) and the offline runs one
+after another, with what both drivers share: the model directory that --model names, a method's Serve application
+args, the warm-up prompt, the progress bar, a run's row and a failed run's record."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from benchmarks.throughput import geometry_config
+from benchmarks.throughput import geometry_config, run_isolated
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
 from shadowkv_core.config import engine_fields
-from shadowkv_core.models.geometry import TINY, write_config
+from shadowkv_core.models.geometry import TINY, write_config, write_geometry
 
-from .metrics import summarize
+from .metrics import RequestRecord, summarize
 from .offline import OfflineRun, peak_gpu_bytes
 from .scenarios import SCENARIOS, make_workload
 
 METHODS = ("dense", "shadowkv")
 
 
-def model_dir(model: str, max_len: int) -> tuple[str, bool]:
-    """(a model directory, whether its weights are random): a geometry preset or `tiny` as a config-only directory,
-    else the checkpoint directory given."""
+def model_dir(model: str, max_len: int, tokenizer: bool = False) -> tuple[str, bool]:
+    """(a model directory, whether its weights are random): a geometry preset or `tiny` as a config-only directory
+    (with `tokenizer`, a word-level one over its vocabulary beside it: a service streams every token as one word of
+    text), else the checkpoint directory given."""
+    write = write_geometry if tokenizer else write_config
     if model == "tiny":
-        return write_config({**TINY, "max_position_embeddings": max(max_len, TINY["max_position_embeddings"])}), True
+        return write({**TINY, "max_position_embeddings": max(max_len, TINY["max_position_embeddings"])}), True
     if model in mm.PRESETS:
-        return write_config(geometry_config(model, max_len)), True
+        return write(geometry_config(model, max_len)), True
     return str(Path(model).resolve()), False
 
 
-def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> EngineConfig:
-    fields = engine_fields(app_args, model)
+def method_args(app_args: dict, model: str, dummy: bool, method: str) -> dict:
+    """A Serve application's args serving `model` with `method`: dense turns ShadowKV off; random weights load as
+    "dummy"."""
+    args = {**app_args, "model": model}
     if dummy:
-        fields["load_format"] = "dummy"
+        args["engine"] = {**app_args.get("engine", {}), "load_format": "dummy"}
     if method == "dense":
-        fields["shadowkv"] = None
-    return EngineConfig(**fields)
+        args["shadowkv"] = None
+    return args
+
+
+def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> EngineConfig:
+    return EngineConfig(**engine_fields(method_args(app_args, model, dummy, method), model))
+
+
+def warm_up_prompt(max_model_len: int, vocab_size: int) -> list[int]:
+    """A warm-up request's prompt, that compiles the kernels: a quarter of the context (at most 8K tokens), long
+    enough to be kept in shadows."""
+    return [i % vocab_size for i in range(min(max_model_len // 4, 8192))]
 
 
 def warm_up(engine: LLMEngine) -> None:
-    """Compile the kernels on a prompt of a quarter of the context (long enough to be kept in shadows)."""
-    n = min(engine.max_model_len // 4, 8192)
-    engine.add_request("warm-up", [i % engine.spec.vocab_size for i in range(n)],
+    engine.add_request("warm-up", warm_up_prompt(engine.max_model_len, engine.spec.vocab_size),
                        SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -58,33 +73,55 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         workload = make_workload(scenario, args.seed, engine.spec.vocab_size, args.scale, args.count_scale)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        records, trace, wall = OfflineRun(engine, workload, progress(scenario, method, workload)).run()
-        spec = SCENARIOS[scenario]
-        row = {"scenario": scenario, "method": method, "driver": "offline",
-               **summarize(records, wall, spec.ttft_bound_s, spec.itl_bound_ms), **trace.summary(),
-               "peak_gpu_gib": peak_gpu_bytes() / 2**30, "shadowkv": _shadowkv(engine)}
-        row["request_records"] = [r.to_json() if args.events else _brief(r) for r in records]
-        return row
+        records, trace, wall = OfflineRun(engine, workload, progress(f"{scenario} {method}", workload)).run()
+        shadowkv = None if engine.shadowkv is None else vars(engine.shadowkv)
+        return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(),
+                       peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv)
     finally:
         engine.close()
 
 
-def _shadowkv(engine: LLMEngine) -> dict | None:
-    return None if engine.shadowkv is None else vars(engine.shadowkv)
+def offline_runs(args: argparse.Namespace, app_args: dict) -> Iterator[tuple[str, dict]]:
+    """("row", its row) or ("failure", what failed) for each scenario and method, one after another."""
+    isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
+    for scenario in args.scenarios:
+        for method in args.methods:
+            task = (run_offline, args, app_args, scenario, method)
+            try:
+                result = "row", run_isolated(*task) if isolate else task[0](*task[1:])
+            except Exception as exc:  # one failed run is recorded; the others still run
+                result = failure(exc, scenario=scenario, method=method)
+            yield result
 
 
-def _brief(record) -> dict:
-    return {"request_id": record.request_id, "sent_s": record.sent_s, "prompt_tokens": record.prompt_tokens,
-            "output_tokens": record.output_tokens, "ttft_s": record.ttft_s, "end_to_end_s": record.end_to_end_s,
-            "finish_reason": record.finish_reason, "error": record.error}
-
-
-def progress(scenario: str, method: str, workload: list):
+def progress(label: str, workload: list):
     """A tqdm bar over the run's requests if tqdm is installed, else None (the run prints nothing per request)."""
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=sum(len(c.turns) for c in workload), desc=f"{scenario} {method}", file=sys.stderr)
+    return tqdm(total=sum(len(c.turns) for c in workload), desc=label, file=sys.stderr)
 
 
+def run_row(scenario: str, method: str, driver: str, records: list[RequestRecord], wall: float, events: bool,
+            **extra) -> dict:
+    """A run's row: the users' figures (metrics.summarize under the scenario's bounds), `extra`, and each request's
+    record (with `events`, its token events too)."""
+    spec = SCENARIOS[scenario]
+    row = {"scenario": scenario, "method": method, "driver": driver,
+           **summarize(records, wall, spec.ttft_bound_s, spec.itl_bound_ms), **extra}
+    row["request_records"] = [r.to_json() if events else _brief(r) for r in records]
+    return row
+
+
+def _brief(record: RequestRecord) -> dict:
+    return {"request_id": record.request_id, "sent_s": record.sent_s, "prompt_tokens": record.prompt_tokens,
+            "output_tokens": record.output_tokens, "ttft_s": record.ttft_s, "end_to_end_s": record.end_to_end_s,
+            "finish_reason": record.finish_reason, "error": record.error}
+
+
+def failure(exc: Exception, **where) -> tuple[str, dict]:
+    """("failure", where and what): a failed run, recorded (and said) while the others still run."""
+    error = f"{type(exc).__name__}: {exc}"
+    print(*where.values(), "failed:", error, file=sys.stderr)
+    return "failure", {**where, "error": error}
