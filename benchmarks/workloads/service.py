@@ -24,6 +24,7 @@ from typing import Iterator
 
 import httpx
 
+from benchmarks.load import require_loopback
 from serve_app.edge import EDGE_ENV
 from serve_app.engine_replica import ROUTING_STATS_PERIOD_S
 from serve_app.local import ray_session, serve_on_loopback
@@ -63,8 +64,10 @@ def online_runs(args: argparse.Namespace, app_args: dict) -> Iterator[tuple[str,
 
 @contextlib.contextmanager
 def service(url: str | None, app_args: dict) -> Iterator[str]:
-    """The base URL of the service: `url` as it is, or a local Serve app of `app_args` (inside a Ray session)."""
+    """The base URL of the service: `url` (loopback only), or a local Serve app of `app_args` (inside a Ray
+    session)."""
     if url is not None:
+        require_loopback(url)
         yield url.rstrip("/")
         return
     with serve_on_loopback(app_args, APP) as base:
