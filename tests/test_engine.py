@@ -390,7 +390,7 @@ def test_async_decode_failure_fails_its_requests_and_frees_them_after_the_step_h
 @pytest.mark.parametrize("async_decode", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("shadowkv", [None, SPARSE, {**SPARSE, "value_format": "fp8"}],
                          ids=["dense", "shadowkv", "shadowkv_fp8"])
-def test_a_forked_request_decodes_what_its_source_does(tiny_path, shadowkv, async_decode):
+def test_a_forked_request_decodes_what_its_source_does(tiny_path, shadowkv, async_decode, monkeypatch):
     """fork mid-generation copies the source's window, resident chunks, shadow and generated tokens (with async
     decode, once the step in flight is read back): greedy, the fork's tokens are the source's, and both caches are
     freed at the end. A fork the running batch has no room for is refused and takes nothing."""
@@ -409,6 +409,14 @@ def test_a_forked_request_decodes_what_its_source_does(tiny_path, shadowkv, asyn
     with pytest.raises(RuntimeError, match="running batch is full"):
         engine.fork("src", "third")
     assert engine.stats() == held and "third" not in engine.requests
+    engine.abort("fork")
+    engine.drain_in_flight()
+    with monkeypatch.context() as patch:  # a copy that fails returns the slot and pages it was given
+        patch.setattr(engine.cache, "copy_sequence", lambda src, dst: (_ for _ in ()).throw(RuntimeError("copy")))
+        with pytest.raises(RuntimeError, match="copy"):
+            engine.fork("src", "broken")
+    assert engine.stats()["num_seqs"] == 1 and len(engine.scheduler.running) == 1
+    engine.fork("src", "fork")
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -126,7 +126,11 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), new_request_id, src.prompt_token_ids, src.params, self._next_seed(None))
         seq.output_token_ids, seq.text = list(src.output_token_ids), src.text
         self.scheduler.start_running(seq)
-        self.cache.copy_sequence(src.seq_id, seq.seq_id)
+        try:
+            self.cache.copy_sequence(src.seq_id, seq.seq_id)
+        except Exception:
+            self.scheduler.finish(seq)  # a copy that failed leaves nothing held
+            raise
         self.requests[new_request_id] = seq
         return outputs
 
