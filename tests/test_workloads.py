@@ -71,6 +71,38 @@ def test_the_offline_driver_serves_every_scenario(tmp_path, model, isolate):
     check_run(saved["rows"], [(s, m) for s in SCENARIOS for m in METHODS], workloads)
 
 
+def test_hugging_face_serves_the_workload(tmp_path):
+    """transformers' generate, static cache and dynamic, one request at a time: every request gets exactly its tokens
+    and every turn carries the conversation, as the engines' runs do."""
+    out = tmp_path / "hf.json"
+    scenario = ["--scenarios", "doc_qa", "multi_turn"]
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL, *scenario,
+               "--methods", "hf_static", "hf_dynamic", "--events", "--no-isolate", "--out", str(out), timeout_s=900)
+    saved = json.loads(out.read_text())
+    assert not saved["failures"]
+    workloads = dump(tmp_path, "--config", "configs/local.yaml", "--model", "tiny", *SMALL, *scenario)
+    check_run(saved["rows"], [(s, m) for s in ("doc_qa", "multi_turn") for m in ("hf_static", "hf_dynamic")],
+              workloads)
+    for row in saved["rows"]:  # served one at a time: each request is sent once the one before it is done
+        ends = sorted((q["sent_s"], q["events"][-1][0]) for q in row["request_records"])
+        assert all(end <= sent for (_, end), (sent, _) in zip(ends, ends[1:]))
+
+
+def test_a_run_past_its_time_limit_reports_what_it_finished(tmp_path):
+    """A zero time limit stops the run after its first step: what is open then is an error ("unfinished"), and the
+    figures count only what finished."""
+    out = tmp_path / "cut.json"
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
+               "--scenarios", "long_output", "--methods", "dense", "hf_dynamic", "--time-limit-s", "0",
+               "--no-isolate", "--out", str(out), timeout_s=900)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["dense", "hf_dynamic"]
+    for row in rows:
+        unfinished = [q for q in row["request_records"] if q["error"] == "unfinished at the run's time limit"]
+        assert row["time_limit_s"] == 0 and row["unfinished"] == row["errors"] == len(unfinished) > 0
+        assert row["requests_per_min"] == pytest.approx(60 * (row["requests"] - len(unfinished)) / row["wall_s"])
+
+
 def test_figures_from_known_timings(tmp_path):
     """A hand-made run: two requests sent at 0 and 1 s, whose token events (some bringing several tokens, as a
     streamed server's do) give figures worked out by hand; goodput under two sets of bounds."""

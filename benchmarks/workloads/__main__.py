@@ -6,7 +6,7 @@
         --out workloads_online.json
 
 Methods: `shadowkv` is the engine as the Serve config (--config, configs/prod.yaml by default) ships it; `dense` the
-same config with full attention. --model: a geometry preset (random weights at its real shapes), `tiny`, or a
+same config with full attention; offline, `hf_static` and `hf_dynamic` are Hugging Face transformers (hf.py). --model: a geometry preset (random weights at its real shapes), `tiny`, or a
 checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py, runs.py), each
 (scenario, method) in a fresh process on CUDA after a warm-up request; online, through the service's OpenAI API,
 streamed, the conversations arriving as a Poisson process at each of --rates (service.py, online.py). Writes one row
@@ -28,7 +28,7 @@ from shadowkv_core.models.geometry import model_spec
 
 from .metrics import RequestRecord, summarize
 from .plots import plot
-from .runs import METHODS, model_dir, offline_runs
+from .runs import ENGINES, METHODS, model_dir, offline_runs
 from .scenarios import SCENARIOS, describe, make_workload
 from .service import online_runs
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--driver", choices=("offline", "online"), default="offline")
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(ENGINES))
     parser.add_argument("--config", default=str(ROOT / "configs" / "prod.yaml"), help="the Serve config to run")
     parser.add_argument("--model", default="llama-3.1-8b", help=f"{sorted(mm.PRESETS)}, tiny, or a checkpoint dir")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (CPU: ~0.01)")
@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="offline: stop each run this long after its start; what is open then counts as unfinished")
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="online: the conversations' arrival rates (first turns per second), one run each")
     parser.add_argument("--url", default=None, help="online: the service running there (loopback), one method")
@@ -79,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.driver == "online" and not (args.rates or args.dump_workload or args.resummarize):
         parser.error("--driver online needs --rates")
+    if args.driver == "online" and (set(args.methods) - set(ENGINES) or args.time_limit_s is not None):
+        parser.error(f"--driver online serves {ENGINES}, each run bounded by --request-timeout-s")
     if args.url is not None and (args.driver != "online" or len(args.methods) != 1):
         parser.error("--url is the service of one method, online: name it with --methods")
     return args

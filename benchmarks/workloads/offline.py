@@ -1,7 +1,9 @@
 """The offline driver: a workload run straight through `LLMEngine`, every conversation's first turn submitted at t=0
 (as vLLM's offline throughput benchmark does) and each later turn as soon as the answer before it is complete.
 
-Times are taken when `step()` returns the tokens, which is when a server would stream them. Beside the requests' own
+Times are taken when `step()` returns the tokens, which is when a server would stream them. A run given a time limit
+stops stepping once past it; the requests still open then are recorded as errors ("unfinished"), so a run cut short
+reports only what it completed. Beside the requests' own
 timings it keeps what the engine did: each step's duration and whether it ran prefill layers, the peak bytes held and
 the ShadowKV selection counters over the run.
 """
@@ -35,6 +37,9 @@ class EngineTrace:
                 "hit_rate": self.hits / self.selected if self.selected else None}
 
 
+UNFINISHED = "unfinished at the run's time limit"
+
+
 def request_id(conversation: Conversation, turn: int) -> str:
     return f"c{conversation.id}-t{turn}"
 
@@ -42,8 +47,9 @@ def request_id(conversation: Conversation, turn: int) -> str:
 class OfflineRun:
     """One workload through one engine; `run()` -> (request records, engine trace, wall seconds)."""
 
-    def __init__(self, engine: LLMEngine, workload: list[Conversation], progress=None):
-        self.engine, self.workload, self.progress = engine, workload, progress
+    def __init__(self, engine: LLMEngine, workload: list[Conversation], progress=None,
+                 time_limit_s: float | None = None):
+        self.engine, self.workload, self.progress, self.time_limit_s = engine, workload, progress, time_limit_s
         self.records: dict[str, RequestRecord] = {}
         self.answers: dict[int, list[list[int]]] = {c.id: [] for c in workload}
         self.trace = EngineTrace()
@@ -54,16 +60,22 @@ class OfflineRun:
         self.start = time.perf_counter()
         for conversation in self.workload:
             self._submit(conversation, 0)
-        while self.engine.has_unfinished_requests():
+        while self.engine.has_unfinished_requests() and not self._past_limit():
             began = time.perf_counter()
             outputs = self.engine.step()
             now = time.perf_counter()
             self.trace.steps.append((now - began, self.engine.last_step_prefilled))
             self._observe(outputs, now - self.start)
         wall = time.perf_counter() - self.start
+        for record in self.records.values():
+            if record.finish_reason is None and record.error is None:
+                record.error = UNFINISHED
         selected, hits = (after - before for after, before in zip(self._selection_counters(), counters))
         self.trace.selected, self.trace.hits = selected, hits
         return list(self.records.values()), self.trace, wall
+
+    def _past_limit(self) -> bool:
+        return self.time_limit_s is not None and time.perf_counter() - self.start >= self.time_limit_s
 
     def _submit(self, conversation: Conversation, turn: int) -> None:
         prompt = conversation.prompt(turn, self.answers[conversation.id])

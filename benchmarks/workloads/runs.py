@@ -15,13 +15,15 @@ from benchmarks.throughput import geometry_config, run_isolated
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
 from shadowkv_core.config import engine_fields
-from shadowkv_core.models.geometry import TINY, write_config, write_geometry
+from shadowkv_core.models.geometry import TINY, model_spec, write_config, write_geometry
 
+from . import hf
 from .metrics import RequestRecord, summarize
-from .offline import OfflineRun, peak_gpu_bytes
+from .offline import UNFINISHED, OfflineRun, peak_gpu_bytes
 from .scenarios import SCENARIOS, make_workload
 
-METHODS = ("dense", "shadowkv")
+ENGINES = ("dense", "shadowkv")
+METHODS = (*ENGINES, *hf.METHODS)
 
 
 def model_dir(model: str, max_len: int, tokenizer: bool = False) -> tuple[str, bool]:
@@ -73,12 +75,29 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         workload = make_workload(scenario, args.seed, engine.spec.vocab_size, args.scale, args.count_scale)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        records, trace, wall = OfflineRun(engine, workload, progress(f"{scenario} {method}", workload)).run()
+        bar = progress(f"{scenario} {method}", workload)
+        records, trace, wall = OfflineRun(engine, workload, bar, args.time_limit_s).run()
         shadowkv = None if engine.shadowkv is None else vars(engine.shadowkv)
         return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(),
-                       peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv)
+                       peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
+                       unfinished=sum(r.error == UNFINISHED for r in records))
     finally:
         engine.close()
+
+
+def run_hf(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
+    """One scenario through Hugging Face transformers (hf.py), after the engines' warm-up request -> its row."""
+    model, dummy = model_dir(args.model, app_args["max_model_len"])
+    workload = make_workload(scenario, args.seed, model_spec(model).vocab_size, args.scale, args.count_scale)
+    run = hf.HFRun(hf.load(model, dummy), method, workload, time_limit_s=args.time_limit_s)
+    run.warm_up(warm_up_prompt(app_args["max_model_len"], model_spec(model).vocab_size))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    run.progress = progress(f"{scenario} {method}", workload)
+    records, wall = run.run()
+    return run_row(scenario, method, "offline", records, wall, args.events, peak_gpu_gib=peak_gpu_bytes() / 2**30,
+                   peak_host_gib=0.0, hit_rate=None, time_limit_s=args.time_limit_s,
+                   unfinished=sum(r.error == UNFINISHED for r in records))
 
 
 def offline_runs(args: argparse.Namespace, app_args: dict) -> Iterator[tuple[str, dict]]:
@@ -86,7 +105,7 @@ def offline_runs(args: argparse.Namespace, app_args: dict) -> Iterator[tuple[str
     isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
     for scenario in args.scenarios:
         for method in args.methods:
-            task = (run_offline, args, app_args, scenario, method)
+            task = (run_hf if method in hf.METHODS else run_offline, args, app_args, scenario, method)
             try:
                 result = "row", run_isolated(*task) if isolate else task[0](*task[1:])
             except Exception as exc:  # one failed run is recorded; the others still run
