@@ -30,7 +30,6 @@ from .metrics import RequestRecord, summarize
 from .plots import plot
 from .runs import ENGINES, METHODS, model_dir, offline_runs
 from .scenarios import SCENARIOS, describe, make_workload
-from .service import online_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ["requests", "wall_s", "requests_per_min", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_ms",
@@ -102,7 +101,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for s in args.scenarios}
         Path(args.dump_workload).write_text(json.dumps(dump, indent=1) + "\n")
         return []
-    runs = online_runs(args, app_args) if args.driver == "online" else offline_runs(args, app_args)
+    if args.driver == "online":
+        from .service import online_runs  # the Serve stack, which offline runs do without
+
+        runs = online_runs(args, app_args)
+    else:
+        runs = offline_runs(args, app_args)
     rows, failures = [], []
     for kind, result in runs:
         (rows if kind == "row" else failures).append(result)
