@@ -83,9 +83,11 @@ def test_hugging_face_serves_the_workload(tmp_path):
     workloads = dump(tmp_path, "--config", "configs/local.yaml", "--model", "tiny", *SMALL, *scenario)
     check_run(saved["rows"], [(s, m) for s in ("doc_qa", "multi_turn") for m in ("hf_static", "hf_dynamic")],
               workloads)
-    for row in saved["rows"]:  # served one at a time: each request is sent once the one before it is done
-        ends = sorted((q["sent_s"], q["events"][-1][0]) for q in row["request_records"])
-        assert all(end <= sent for (_, end), (sent, _) in zip(ends, ends[1:]))
+    for row in saved["rows"]:  # every first turn sent at t=0; served one at a time, in the order sent
+        records = row["request_records"]
+        assert {q["sent_s"] for q in records if q["request_id"].endswith("-t0")} == {0.0}
+        spans = sorted((q["events"][0][0], q["events"][-1][0]) for q in records)
+        assert all(end <= first for (_, end), (first, _) in zip(spans, spans[1:]))
 
 
 def test_a_run_past_its_time_limit_reports_what_it_finished(tmp_path):

@@ -1,5 +1,6 @@
 """Hugging Face transformers serving a workload offline: `generate` on every request in the order they arrive (every
-first turn at t=0, a later turn queued when the answer before it is complete), one request at a time.
+first turn sent at t=0, a later turn when the answer before it is complete), one request at a time; a request's time
+to first token includes its wait in the queue, as it does in the engines' runs.
 
 One at a time because a padded batch of 32K-122K prompts does not run: transformers materialises the attention mask
 of a padded batch, (query x key) per row. Two settings, each a method:
@@ -77,14 +78,13 @@ class HFRun:
     def run(self) -> tuple[list[RequestRecord], float]:
         start = time.perf_counter()
         deadline = None if self.time_limit_s is None else start + self.time_limit_s
-        queue = collections.deque((c, 0) for c in self.workload)
+        queue = collections.deque((c, 0, 0.0) for c in self.workload)  # (conversation, turn, when it was sent)
         answers: dict[int, list[list[int]]] = {c.id: [] for c in self.workload}
         records: list[RequestRecord] = []
         while queue:
-            conversation, turn = queue.popleft()
+            conversation, turn, sent = queue.popleft()
             prompt = conversation.prompt(turn, answers[conversation.id])
-            record = RequestRecord(request_id(conversation, turn), conversation.id, turn,
-                                   time.perf_counter() - start, len(prompt))
+            record = RequestRecord(request_id(conversation, turn), conversation.id, turn, sent, len(prompt))
             records.append(record)
             clock = _Clock(record, start, deadline)
             if clock.past_deadline():
@@ -99,7 +99,7 @@ class HFRun:
             if self.progress is not None:
                 self.progress.update(1)
             if turn + 1 < len(conversation.turns):
-                queue.append((conversation, turn + 1))
+                queue.append((conversation, turn + 1, time.perf_counter() - start))
         return records, time.perf_counter() - start
 
     def _generate(self, prompt: list[int], max_tokens: int, clock: _Clock) -> list[int]:

@@ -32,11 +32,12 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 
 def _ttft_cdf(ax, rows: list[dict]) -> None:
+    """Over every request of a run: one cut short by its time limit never reaches 1."""
     for r in rows:
-        ttft = sorted(q["ttft_s"] for q in r["request_records"] if q["ttft_s"])
-        if ttft:
-            ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=r["method"],
-                    color=_colour(r["method"]))
+        ttft = sorted(q["ttft_s"] for q in r["request_records"] if q["error"] is None)
+        if ttft and "defect" not in r:
+            share = [(i + 1) / len(r["request_records"]) for i in range(len(ttft))]
+            ax.step(ttft, share, where="post", label=r["method"], color=_colour(r["method"]))
     ax.set(xlabel="time to first token (s)", ylabel="share of requests")
 
 
