@@ -1,10 +1,9 @@
 """Benchmark of prefill attention, one layer at Llama-3.1-8B geometry (32 query heads, 8 KV heads, head dim 128,
 bf16): a prompt prefilled in chunks of `--chunk` queries, each against the keys up to its end, by the three
-candidates the engine could run:
-  sdpa_lower_right  today's path: SDPA with a causal_lower_right bias (shadowkv_core.attention.attention_ref)
-  sdpa_split        SDPA's flash kernel on the keys before the chunk and on its causal diagonal, merged by
-                    log-sum-exp (shadowkv_core.attention.prefill_attention_split)
-  triton            kernels/prefill_attention.py
+implementations the engine can run (EngineConfig.prefill_attention, through shadowkv_core.attention.chunk_attention):
+  sdpa        today's path: SDPA with a causal_lower_right bias
+  sdpa_split  SDPA's flash kernel on the keys before the chunk and on its causal diagonal, merged by log-sum-exp
+  triton      kernels/prefill_attention.py
 Each is first checked against shadowkv_core.attention.prefill_chunks_attention_ref on the first and last rows of
 the prompt's first and last chunks; then every chunk is timed (median, triton.testing.do_bench) and the prompt's
 attention FLOPs over the summed time give TFLOP/s.
@@ -22,22 +21,10 @@ import torch
 import triton
 
 from benchmarks.report import print_table, write_json
-from kernels.prefill_attention import prefill_attention
-from shadowkv_core.attention import attention_ref, prefill_attention_split, prefill_chunks_attention_ref
+from shadowkv_core.attention import chunk_attention, prefill_chunks_attention_ref
+from shadowkv_core.config import PREFILL_ATTENTIONS
 
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}  # (atol, rtol), the kernel tests' own
-
-
-def candidates(scale: float) -> dict:
-    """name -> fn(q (n_q, Hq, d), k, v (n_k, Hkv, d)) -> (n_q, Hq, d), the queries being the last n_q keys'."""
-    def triton_kernel(q, k, v):
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-        return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale)
-
-    return {"sdpa_lower_right": lambda q, k, v: attention_ref(q, k, v, scale, causal=True),
-            "sdpa_split": lambda q, k, v: prefill_attention_split(q, k, v, scale),
-            "triton": triton_kernel}
 
 
 def bench(fn) -> float:
@@ -62,11 +49,11 @@ def attention_flops(s: int, e: int, num_q_heads: int, head_dim: int) -> int:
     return 4 * num_q_heads * head_dim * (n * s + n * (n + 1) // 2)
 
 
-def max_error(fn, q, k, v, s: int, e: int, rows: int, scale: float) -> float:
+def max_error(implementation: str, q, k, v, s: int, e: int, rows: int, scale: float) -> float:
     """Largest |out - reference| / (atol + rtol |reference|) over the chunk's first and last `rows` queries: <= 1
     passes. Each slice is itself a chunk (queries the last of their keys), so the reference takes it as is."""
     atol, rtol = TOLERANCES[q.dtype]
-    out = fn(q[s:e], k[:e], v[:e]).float()
+    out = chunk_attention(q[s:e], k[:e], v[:e], scale, implementation).float()
     worst = 0.0
     for lo, hi in ((s, min(s + rows, e)), (max(e - rows, s), e)):
         cu = torch.tensor([[0, hi - lo], [0, hi]], dtype=torch.int32, device=q.device)
@@ -85,11 +72,11 @@ def run_prompt(prompt: int, args, dtype, device) -> list[dict]:
     chunks = chunk_bounds(prompt, args.chunk)
     flops = sum(attention_flops(s, e, args.q_heads, args.head_dim) for s, e in chunks)
     rows = []
-    for name, fn in candidates(scale).items():
-        err = max(max_error(fn, q, k, v, s, e, args.check_rows, scale) for s, e in {chunks[0], chunks[-1]})
+    for name in PREFILL_ATTENTIONS:
+        err = max(max_error(name, q, k, v, s, e, args.check_rows, scale) for s, e in {chunks[0], chunks[-1]})
         if err > 1:
             raise SystemExit(f"{name} differs from the reference at prompt {prompt}: error {err:.3g} x tolerance")
-        chunk_ms = [bench(lambda: fn(q[s:e], k[:e], v[:e])) for s, e in chunks]
+        chunk_ms = [bench(lambda: chunk_attention(q[s:e], k[:e], v[:e], scale, name)) for s, e in chunks]
         total = sum(chunk_ms)
         rows.append(dict(prompt=prompt, method=name, chunk=args.chunk, chunks=len(chunks), time_ms=total,
                          chunk_ms=chunk_ms, flops=flops, tflops=flops / total / 1e9, error_over_tolerance=err))

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.prefill_attention import prefill_attention
+
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Exact attention of one sequence. q (n_q, Hq, d); k, v (n_k, Hkv, d) with Hq a multiple of Hkv (GQA).
@@ -24,17 +26,32 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, implementation: str = "sdpa") -> torch.Tensor:
     """Causal self-attention over one whole prompt, queries taken `chunk_tokens` at a time so that the score
-    matrix of a long prompt never has to exist at once. Shapes as in `attention_ref` with n_q == n_k."""
+    matrix of a long prompt never has to exist at once, each chunk by `chunk_attention`. Shapes as in
+    `attention_ref` with n_q == n_k."""
     n = q.shape[0]
     if n <= chunk_tokens:
-        return attention_ref(q, k, v, scale, causal=True)
+        return chunk_attention(q, k, v, scale, implementation)
     out = torch.empty_like(q)
     for start in range(0, n, chunk_tokens):
         end = min(start + chunk_tokens, n)
-        out[start:end] = attention_ref(q[start:end], k[:end], v[:end], scale, causal=True)
+        out[start:end] = chunk_attention(q[start:end], k[:end], v[:end], scale, implementation)
     return out
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    implementation: str = "sdpa") -> torch.Tensor:
+    """attention_ref(q, k, v, scale, causal=True), the queries being the last n_q of the keys, by one of
+    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention): "sdpa", attention_ref itself (SDPA with a
+    causal_lower_right bias); "sdpa_split", prefill_attention_split; "triton", kernels/prefill_attention.py
+    (CUDA, or Triton's interpreter; head dims 64 and 128)."""
+    if implementation == "sdpa_split":
+        return prefill_attention_split(q, k, v, scale)
+    if implementation == "triton":
+        cu_q, cu_k = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device)
+        return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale)
+    return attention_ref(q, k, v, scale, causal=True)
 
 
 def prefill_chunks_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -13,7 +13,7 @@ def test_prefill_attention_benchmark_smoke(tmp_path):
     assert "--prompts 40 19 --chunk 16" in saved["environment"]["command"] and saved["environment"]["device"]
     rows = saved["rows"]
     assert [(r["prompt"], r["method"]) for r in rows] == [
-        (p, m) for p in (40, 19) for m in ("sdpa_lower_right", "sdpa_split", "triton")]
+        (p, m) for p in (40, 19) for m in ("sdpa", "sdpa_split", "triton")]
     for r in rows:
         assert r["chunks"] == len(r["chunk_ms"]) == -(-r["prompt"] // 16)
         assert r["flops"] == 4 * 4 * 64 * r["prompt"] * (r["prompt"] + 1) // 2
