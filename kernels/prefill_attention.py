@@ -54,7 +54,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, s
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     hq, b = tl.program_id(0), tl.program_id(2)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest diagonals first: a shorter tail
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)  # the blocks with the most keys first: a shorter tail
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if start_m * BLOCK_M >= q_len:
