@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.prefill_attention import prefill_attention
+
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Exact attention of one sequence. q (n_q, Hq, d); k, v (n_k, Hkv, d) with Hq a multiple of Hkv (GQA).
@@ -24,14 +26,82 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, implementation: str = "sdpa") -> torch.Tensor:
     """Causal self-attention over one whole prompt, queries taken `chunk_tokens` at a time so that the score
-    matrix of a long prompt never has to exist at once. Shapes as in `attention_ref` with n_q == n_k."""
+    matrix of a long prompt never has to exist at once, each chunk by `chunk_attention`. Shapes as in
+    `attention_ref` with n_q == n_k."""
     n = q.shape[0]
     if n <= chunk_tokens:
-        return attention_ref(q, k, v, scale, causal=True)
+        return chunk_attention(q, k, v, scale, implementation)
     out = torch.empty_like(q)
     for start in range(0, n, chunk_tokens):
         end = min(start + chunk_tokens, n)
-        out[start:end] = attention_ref(q[start:end], k[:end], v[:end], scale, causal=True)
+        out[start:end] = chunk_attention(q[start:end], k[:end], v[:end], scale, implementation)
     return out
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    implementation: str = "sdpa") -> torch.Tensor:
+    """attention_ref(q, k, v, scale, causal=True), the queries being the last n_q of the keys, by one of
+    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention): "sdpa", attention_ref itself (SDPA with a
+    causal_lower_right bias); "sdpa_split", prefill_attention_split; "triton", kernels/prefill_attention.py
+    (CUDA, or Triton's interpreter; head dims 64 and 128)."""
+    if implementation == "sdpa_split":
+        return prefill_attention_split(q, k, v, scale)
+    if implementation == "triton":
+        cu_q, cu_k = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device)
+        return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale)
+    return attention_ref(q, k, v, scale, causal=True)
+
+
+def prefill_chunks_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 cu_seqlens_k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill chunks of a ragged batch, in kernels.prefill_attention's layout: sequence b's queries
+    q[cu_q[b]:cu_q[b+1]] are the last of its keys k[cu_k[b]:cu_k[b+1]] (positions [e - n_q, e) of [0, e)) and see
+    keys up to their own position. q (total_q, Hq, d); k, v (total_k, Hkv, d); cu_seqlens (B + 1,) ->
+    out (total_q, Hq, d) in q's dtype, lse (total_q, Hq): math in fp32."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
+        q_b, k_b, v_b = q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float()
+        out[qs:qe] = attention_ref(q_b, k_b, v_b, scale, causal=True)
+        lse[qs:qe] = _causal_lse(q_b, k_b, scale)
+    return out, lse
+
+
+def _causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Log of each query's softmax denominator, causal as in attention_ref: q (n_q, Hq, d), k (n_k, Hkv, d) ->
+    (n_q, Hq)."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (n_k, Hq, d)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (Hq, n_q, n_k)
+    hidden = torch.arange(n_k, device=q.device) > torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    return scores.masked_fill(hidden, float("-inf")).logsumexp(-1).T
+
+
+def prefill_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """attention_ref(q, k, v, scale, causal=True) without a mask: the keys before the queries' chunk (every query
+    sees them all) and the chunk's own keys (a square causal block) in two flash calls, merged by their log-sum-exps.
+    q (n_q, Hq, d); k, v (n_k, Hkv, d) with n_k >= n_q -> (n_q, Hq, d)."""
+    start = k.shape[0] - q.shape[0]
+    if start == 0:
+        return attention_ref(q, k, v, scale, causal=True)
+    q4 = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n_q, d)
+    out_before, lse_before = _flash_with_lse(q4, k[:start], v[:start], scale, causal=False)
+    out_diag, lse_diag = _flash_with_lse(q4, k[start:], v[start:], scale, causal=True)
+    lse = torch.logaddexp(lse_before, lse_diag)  # (1, Hq, n_q) fp32
+    out = (out_before.float() * (lse_before - lse).exp()[..., None]
+           + out_diag.float() * (lse_diag - lse).exp()[..., None])
+    return out.to(q.dtype).squeeze(0).transpose(0, 1)
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash kernel SDPA dispatches to, called directly because the public function drops its log-sum-exp; it
+    takes GQA as is (keys and values not repeated). On CUDA it needs fp16 or bf16.
+    q (1, Hq, n_q, d); k, v (n_k, Hkv, d) -> out (1, Hq, n_q, d), lse (1, Hq, n_q) fp32."""
+    k, v = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))  # (1, Hkv, n_k, d)
+    if q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)

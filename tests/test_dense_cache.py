@@ -18,6 +18,35 @@ def random_qkv(t):
     return torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
 
 
+@pytest.mark.parametrize("implementation, function", [("sdpa_split", "prefill_attention_split"),
+                                                      ("triton", "prefill_attention")])
+def test_prefill_attention_implementations_give_the_default_outputs(implementation, function, monkeypatch):
+    """Whole prompts (chunked), then one more chunk of each after its context: the same outputs as "sdpa", through
+    the implementation asked for."""
+    import shadowkv_core.attention as attention
+    calls = []
+    fast = getattr(attention, function)
+    monkeypatch.setattr(attention, function, lambda *a, **kw: calls.append(1) or fast(*a, **kw))
+    torch.manual_seed(0)
+    d = 64  # a head dim the Triton kernel takes
+    caches = {name: DenseKVCache(CacheSpec(num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=d,
+                                           scale=d ** -0.5, prefill_chunk_tokens=5, prefill_attention=name),
+                                 num_blocks=16, block_size=4) for name in ("sdpa", implementation)}
+    lens, more = [7, 3, 11], [4, 6, 1]
+    for cache in caches.values():
+        for i, (n, m) in enumerate(zip(lens, more)):
+            cache.manager.allocate(i, n + m, 0)
+    for meta in (AttentionMetadata(True, [0, 1, 2], lens, [0, 0, 0], torch.zeros(sum(lens), dtype=torch.long)),
+                 AttentionMetadata(True, [0, 1, 2], more, lens, torch.zeros(sum(more), dtype=torch.long))):
+        t = sum(meta.query_lens)
+        q, k, v = torch.randn(t, HQ, d), torch.randn(t, HKV, d), torch.randn(t, HKV, d)
+        outs = {name: cache.attend(0, q, k, k, v, meta) for name, cache in caches.items()}
+        torch.testing.assert_close(outs[implementation], outs["sdpa"], atol=1e-5, rtol=1e-5)
+        for cache in caches.values():
+            cache.finish_forward(meta)
+    assert calls
+
+
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
 def test_ragged_prefill_then_decode_matches_full_attention(use_kernels):
     torch.manual_seed(0)

@@ -131,6 +131,23 @@ def test_engine_config_errors_are_clear(tiny_path):
         EngineConfig(model=tiny_path, dtype="float8")
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLMEngine(EngineConfig(model=tiny_path, max_num_seqs=0))
+    with pytest.raises(ValueError, match="prefill_attention"):
+        EngineConfig(model=tiny_path, prefill_attention="flash")
+
+
+def test_split_prefill_attention_gives_the_default_tokens(tiny_path, dense_llm, monkeypatch):
+    """prefill_attention reaches the caches (dense and shadow sequences in one batch) and changes no token."""
+    import shadowkv_core.attention as attention
+    calls = []
+    split = attention.prefill_attention_split
+    monkeypatch.setattr(attention, "prefill_attention_split", lambda *a: calls.append(1) or split(*a))
+    for shadowkv in (None, FULL_SHADOW):
+        llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, shadowkv=shadowkv,
+                  prefill_attention="sdpa_split", max_prefill_tokens=64, prefill_chunk_tokens=16)
+        prompts = prompts_of_lengths([40, 100, 23], seed=5)
+        want = dense_llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in want]
+    assert calls
 
 
 def test_full_budget_full_rank_shadowkv_equals_dense_over_long_generation(tiny_path, dense_llm):

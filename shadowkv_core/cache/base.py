@@ -24,7 +24,8 @@ from ..config import AUTO, choose
 class CacheSpec:
     """What a cache is built for: the model's attention geometry, in one dtype on one device. prefill_chunk_tokens:
     queries attended at once in a prefill (bounds the score matrix). use_kernels: decode on the Triton kernels; "auto"
-    does on CUDA, for heads the kernels take."""
+    does on CUDA, for heads the kernels take. prefill_attention: how a prefill chunk attends
+    (attention.chunk_attention)."""
 
     num_layers: int
     num_q_heads: int
@@ -35,6 +36,7 @@ class CacheSpec:
     device: torch.device | str = "cpu"
     prefill_chunk_tokens: int = 8192
     use_kernels: bool | str = AUTO
+    prefill_attention: str = "sdpa"
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -44,10 +46,10 @@ class CacheSpec:
 
     @classmethod
     def of(cls, spec, dtype: torch.dtype, device: torch.device | str, prefill_chunk_tokens: int = 8192,
-           use_kernels: bool | str = AUTO) -> CacheSpec:
+           use_kernels: bool | str = AUTO, prefill_attention: str = "sdpa") -> CacheSpec:
         """From a model's ModelSpec."""
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
-                   device, prefill_chunk_tokens, use_kernels)
+                   device, prefill_chunk_tokens, use_kernels, prefill_attention)
 
     @property
     def kernels(self) -> bool:

@@ -10,7 +10,7 @@ import triton
 
 from kernels.decode_attention import decode_attention
 
-from ..attention import attention_ref, prefill_attention_ref
+from ..attention import chunk_attention, prefill_attention_ref
 from ..transfers import to_device
 from .allocator import BlockAllocator
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
@@ -106,11 +106,12 @@ class DenseKVCache(KVCache):
             q_i = q[start:start + n]  # (n, Hq, d)
             if ctx == 0:
                 out[start:start + n] = prefill_attention_ref(q_i, k_rot[start:start + n], v[start:start + n], scale,
-                                                             self.spec.prefill_chunk_tokens)
+                                                             self.spec.prefill_chunk_tokens,
+                                                             self.spec.prefill_attention)
                 continue
             seq_rows = self._rows(seq_id, 0, ctx + n)
-            out[start:start + n] = attention_ref(q_i, self.k[layer, seq_rows], self.v[layer, seq_rows], scale,
-                                                 causal=True)
+            out[start:start + n] = chunk_attention(q_i, self.k[layer, seq_rows], self.v[layer, seq_rows], scale,
+                                                   self.spec.prefill_attention)
         return out
 
     def _decode_plan(self, meta: AttentionMetadata):

@@ -15,7 +15,8 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
                   v: torch.Tensor) -> torch.Tensor:
     """Exact causal attention over the whole prompt, then the layer's shadow. q (P, Hq, d); k_pre, k_rot, v
     (P, Hkv, d) -> (P, Hq, d)."""
-    out = prefill_attention_ref(q, k_rot, v, cache.spec.scale, cache.spec.prefill_chunk_tokens)
+    out = prefill_attention_ref(q, k_rot, v, cache.spec.scale, cache.spec.prefill_chunk_tokens,
+                                cache.spec.prefill_attention)
     slots, C = cache.slots, cache.config.chunk_size
     u, sv = factorize_keys(k_pre, cache.config.rank)  # (P, r), (Hkv, r, d)
     cache.gpu.write_u(layer, st.gpu_table, 0, u)

@@ -1,0 +1,20 @@
+"""benchmarks/prefill_attention.py through its command line at tiny sizes (its real run needs CUDA): every candidate
+is checked and timed on every chunk, and the FLOPs of the chunks add up to the whole prompt's causal attention."""
+import json
+
+from support.cli import run_module
+
+
+def test_prefill_attention_benchmark_smoke(tmp_path):
+    out = tmp_path / "prefill_attention.json"
+    run_module("benchmarks.prefill_attention", "--prompts", "40", "19", "--chunk", "16", "--q-heads", "4",
+               "--kv-heads", "2", "--head-dim", "64", "--check-rows", "5", "--out", str(out), timeout_s=300)
+    saved = json.loads(out.read_text())
+    assert "--prompts 40 19 --chunk 16" in saved["environment"]["command"] and saved["environment"]["device"]
+    rows = saved["rows"]
+    assert [(r["prompt"], r["method"]) for r in rows] == [
+        (p, m) for p in (40, 19) for m in ("sdpa", "sdpa_split", "triton")]
+    for r in rows:
+        assert r["chunks"] == len(r["chunk_ms"]) == -(-r["prompt"] // 16)
+        assert r["flops"] == 4 * 4 * 64 * r["prompt"] * (r["prompt"] + 1) // 2
+        assert 0 <= r["error_over_tolerance"] <= 1 and r["time_ms"] > 0

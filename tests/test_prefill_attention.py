@@ -1,0 +1,94 @@
+"""Prefill attention of chunks (queries [s, e) against keys [0, e), causal on the diagonal), held to
+shadowkv_core.attention.prefill_chunks_attention_ref: the Triton kernel on ragged batches, and the split SDPA
+candidate per sequence."""
+import pytest
+import torch
+
+from test_kernels_utils import DEVICE, LLAMA, assert_close, ragged_lengths
+from kernels.prefill_attention import prefill_attention
+from shadowkv_core.attention import prefill_attention_split, prefill_chunks_attention_ref
+
+LSE_TOL = (1e-3, 1e-3)  # fp32 whatever the inputs' dtype
+# (queries, keys) per sequence: a whole prompt (s = 0), chunks at odd starts, one query, a chunk longer than a block.
+CHUNKS = [(37, 37), (21, 90), (1, 45), (50, 83)]
+
+
+def _offsets(lens: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).int().to(device)
+
+
+def _inputs(chunks, Hq, Hkv, d, dtype, device, seed):
+    """Packed q (total_q, Hq, d) and k, v (total_k, Hkv, d) as strided views, as a fused projection leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(n for n, _ in chunks), sum(e for _, e in chunks)
+    q = torch.randn(total_q, 2 * Hq, d, generator=g).to(device, dtype)[:, :Hq]
+    kv = torch.randn(total_k, 2, Hkv, d, generator=g).to(device, dtype)
+    cu_q, cu_k = _offsets([n for n, _ in chunks], device), _offsets([e for _, e in chunks], device)
+    return q, kv[:, 0], kv[:, 1], cu_q, cu_k
+
+
+def _check(chunks, Hq, Hkv, d, dtype, device, seed=0, **launch):
+    q, k, v, cu_q, cu_k = _inputs(chunks, Hq, Hkv, d, dtype, device, seed)
+    scale = d ** -0.5
+    want_out, want_lse = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, scale)
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, max(n for n, _ in chunks), scale, return_lse=True, **launch)
+    assert_close(out, want_out, dtype, "prefill attention")
+    assert_close(lse, want_lse, dtype, "prefill attention lse", tol=LSE_TOL)
+
+
+SMALL_BLOCKS = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)  # the diagonal spans two key blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_attention_ragged_chunks(Hq, Hkv, d, dtype):
+    _check(CHUNKS, Hq, Hkv, d, dtype, DEVICE, seed=Hq + d, **SMALL_BLOCKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_default_blocks(dtype):
+    _check([(130, 301), (7, 7)], 4, 1, 128, dtype, DEVICE)
+
+
+def test_prefill_attention_is_causal_on_the_diagonal():
+    """Changing a sequence's last key and value moves its last query's output only: no query sees a later key."""
+    chunks, scale = [(20, 53), (9, 9)], 64 ** -0.5
+    q, k, v, cu_q, cu_k = _inputs(chunks, 4, 2, 64, torch.float32, DEVICE, seed=3)
+    before = prefill_attention(q, k, v, cu_q, cu_k, 20, scale, **SMALL_BLOCKS)
+    k, v = k.clone(), v.clone()
+    k[52], v[52] = 3.0, -2.0
+    after = prefill_attention(q, k, v, cu_q, cu_k, 20, scale, **SMALL_BLOCKS)
+    assert torch.equal(after[:19], before[:19]) and torch.equal(after[20:], before[20:])
+    assert not torch.allclose(after[19], before[19])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_q,n_k,Hq,Hkv", [(37, 37, 4, 4), (21, 90, 8, 2), (1, 45, 8, 1), (50, 83, 16, 2)])
+def test_prefill_attention_split(n_q, n_k, Hq, Hkv, dtype):
+    q, k, v, cu_q, cu_k = _inputs([(n_q, n_k)], Hq, Hkv, 64, dtype, DEVICE, seed=n_k)
+    want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, 0.125)
+    assert_close(prefill_attention_split(q, k, v, 0.125), want, dtype, "split prefill attention")
+
+
+def _llama_chunks(context: int, chunk: int, batch: int, seed: int) -> list[tuple[int, int]]:
+    """One chunk of each of `batch` prompts: `chunk` queries (fewer at a prompt's end) at a ragged odd start."""
+    return [(min(chunk, n), n) for n in ragged_lengths(context, batch, seed)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context,chunk,batch", [(2048, 2048, 1), (9000, 1531, 3), (6000, 4096, 2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_attention_llama(context, chunk, batch, d):
+    chunks = _llama_chunks(context, chunk, batch, seed=context)
+    _check(chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], d, torch.bfloat16, "cuda", seed=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,n_k", [(2048, 2048), (1531, 7777)])
+def test_prefill_attention_split_llama(n_q, n_k):
+    q, k, v, cu_q, cu_k = _inputs([(n_q, n_k)], LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"],
+                                  torch.bfloat16, "cuda", seed=n_k)
+    scale = LLAMA["head_dim"] ** -0.5
+    want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, scale)
+    assert_close(prefill_attention_split(q, k, v, scale), want, torch.bfloat16, "split prefill attention")
