@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,7 @@ from serve_app.ingress import Ingress
 from serve_app.limits import RequestLimits
 from shadowkv_core.config import engine_fields
 
-logger = logging.getLogger("ray.serve")
-TINY_MODEL_DIR = Path(os.environ.get("SHADOWKV_CACHE", Path.home() / ".cache" / "shadowkv")) / "tiny-model"
+SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 POLICY = "serve_app.autoscaling:memory_demand_policy"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]$")
 
@@ -34,7 +31,7 @@ class AppArgs(BaseModel):
 
     model: str
     served_model_name: str | None = None
-    tiny_model_fallback: bool = False  # the model is missing: serve a tiny random model instead, and say so
+    config_dir: str = str(SHIPPED_CONFIGS_DIR)  # relative paths resolve here: the shipped configs' folder unless set
     device: str = "cpu"
     dtype: str = "auto"
     max_num_seqs: int = Field(default=8, ge=1)
@@ -64,18 +61,21 @@ class AppArgs(BaseModel):
 
 
 def resolve_model(args: AppArgs) -> str:
-    """A local model directory as an absolute path (replicas may run elsewhere in the tree); the tiny model when
-    the configured one is missing and the fallback is on."""
+    """A local model directory as an absolute path (replicas may run elsewhere in the tree), a relative one taken
+    from the config's folder, not the working directory; or a hub id."""
     path = Path(args.model).expanduser()
-    if path.exists() or not args.tiny_model_fallback:
+    if path.is_absolute() or HUB_ID.fullmatch(args.model) and not (Path(args.config_dir) / path).exists():
         return validated_model(path, args)
-    from shadowkv_core.tiny_model import build_tiny_model
+    path = Path(args.config_dir) / path
+    if not path.exists():  # only an absolute path may name a folder mounted where the replicas run
+        raise ValueError(f"model: {args.model!r} resolves to {path}, which does not exist")
+    return validated_model(path, args)
 
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        build_tiny_model(TINY_MODEL_DIR)
-    logger.warning("MODEL NOT FOUND: %s does not exist (the project's small model is not shipped yet). Serving a "
-                   "TINY RANDOM-WEIGHT model from %s instead: its output is meaningless text.", path, TINY_MODEL_DIR)
-    return str(TINY_MODEL_DIR)
+
+def weights_source(args: AppArgs, model: str) -> dict[str, Any]:
+    """Where the served weights come from, as /v1/models reports it: the checkpoint path or hub id, and whether
+    they are random (load_format "dummy")."""
+    return {"root": model, "random_weights": args.engine.get("load_format") == "dummy"}
 
 
 def validated_model(path: Path, args: AppArgs) -> str:
@@ -88,7 +88,7 @@ def validated_model(path: Path, args: AppArgs) -> str:
             raise ValueError(f"model: {path} is not a checkpoint directory (config.json and *.safetensors)")
         return str(path.resolve())
     if ".." in path.parts or path.exists() or not (path.is_absolute() or HUB_ID.fullmatch(args.model)):
-        raise ValueError(f"model: {args.model!r} is neither a checkpoint directory nor a hub id (org/name)")
+        raise ValueError(f"model: {args.model!r} ({path}) is neither a checkpoint directory nor a hub id (org/name)")
     return args.model
 
 
@@ -114,7 +114,7 @@ def build_app(raw_args: dict[str, Any]) -> Application:
     served_name = args.served_model_name or Path(args.model).name
     engine = EngineReplica.options(**replica_options(args)).bind(engine_config(args, model), served_name)
     limits = RequestLimits(args.max_prompt_tokens, args.max_tokens_limit, args.request_timeout_s)
-    return Ingress.bind(engine, max_waiting=args.max_waiting, max_wait_s=args.max_wait_s,
-                        default_max_tokens=args.default_max_tokens, limits=limits,
+    return Ingress.bind(engine, weights=weights_source(args, model), max_waiting=args.max_waiting,
+                        max_wait_s=args.max_wait_s, default_max_tokens=args.default_max_tokens, limits=limits,
                         max_body_bytes=args.max_body_bytes)
 

@@ -42,11 +42,12 @@ api.add_middleware(CapacityAdvert, source=CAPACITY)
                   backpressure_config={"status_code": 429, "retry_after_s": 1})
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
+    def __init__(self, engine: DeploymentHandle, weights: dict, max_waiting: int = 16, max_wait_s: float = 0.5,
                  default_max_tokens: int = 256, limits: RequestLimits = RequestLimits(),
                  max_body_bytes: int = 8 << 20):
         GUARD.api_keys, GUARD.max_body_bytes = load_api_keys(), max_body_bytes
         self.limits = limits
+        self.weights = weights
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.board = board_for(serve.get_replica_context().app_name, engine.deployment_name)
@@ -67,7 +68,7 @@ class Ingress:
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
         await self._require_ready()
-        return ModelList(data=[ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"])])
+        return ModelList(data=[self._model_card()])
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
@@ -186,6 +187,9 @@ class Ingress:
             return
         self.footprint = info["footprint"]
         self.info = info
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"], **self.weights)
 
     def _check_model(self, model: str) -> None:
         if model != self.info["model"]:
