@@ -43,8 +43,8 @@ class AppArgs(BaseModel):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
     autoscaling: dict[str, Any] = Field(default_factory=dict)  # other AutoscalingConfig fields: upscale_delay_s, ...
-    max_waiting: int = Field(default=16, ge=0)  # requests waiting for room in the ingress, beyond that 429
-    max_wait_s: float = Field(default=0.5, ge=0)  # the longest a request waits for room before its 429
+    max_waiting: int = Field(default=64, ge=0)  # requests queued for room in the ingress, beyond that 429
+    max_wait_s: float = Field(default=300.0, ge=0)  # bound on a queued request's predicted and actual wait for room
     default_max_tokens: int = Field(default=256, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1)  # beyond the context length's own bound
     max_tokens_limit: int | None = Field(default=None, ge=1)  # the largest max_tokens a request may ask for
@@ -58,6 +58,7 @@ class AppArgs(BaseModel):
         if taken:
             raise ValueError(f"set {taken} through min_replicas / max_replicas; the policy is fixed")
         return value
+
 
 
 def resolve_model(args: AppArgs) -> str:

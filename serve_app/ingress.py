@@ -42,7 +42,7 @@ api.add_middleware(CapacityAdvert, source=CAPACITY)
                   backpressure_config={"status_code": 429, "retry_after_s": 1})
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, weights: dict, max_waiting: int = 16, max_wait_s: float = 0.5,
+    def __init__(self, engine: DeploymentHandle, weights: dict, max_waiting: int = 64, max_wait_s: float = 300.0,
                  default_max_tokens: int = 256, limits: RequestLimits = RequestLimits(),
                  max_body_bytes: int = 8 << 20):
         GUARD.api_keys, GUARD.max_body_bytes = load_api_keys(), max_body_bytes
@@ -149,7 +149,7 @@ class Ingress:
         finally:
             if not finished:
                 stream.cancel()
-            self.board.release(request_id)
+            self.gate.release(request_id)
 
     def _observe_latency(self, gap_s: float, count: int, first: bool) -> None:
         self.metrics.record_tokens(count)

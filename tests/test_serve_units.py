@@ -215,6 +215,64 @@ def test_gate_waits_a_bounded_time_for_room():
     assert asyncio.run(scenario()) == "a"
 
 
+def test_gate_queues_in_arrival_order_within_the_predicted_wait_and_refuses_beyond_it():
+    """One slot; requests held it 100 s each: the first in line is predicted to wait 100 s (within the 150 s bound)
+    and queues, the second 200 s and is refused at once with that as Retry-After. Room goes to the line in order."""
+    board = CapacityBoard()
+    board.update({"a": {**_report(GIB, slots=1), "num_slots": 1}})
+    now = [0.0]
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=150.0, poll_s=0.01, clock=lambda: now[0])
+    placed = []
+
+    async def admitted(request_id):
+        placed.append((request_id, await gate.admit(request_id, 1, 0)))
+
+    async def scenario():
+        assert gate.predicted_wait_s(1) is None  # nothing has ended yet: no prediction, so a request may queue
+        await admitted("r0")
+        now[0] += 100.0
+        gate.release("r0")
+        assert gate.predicted_wait_s(1) == 100.0 and gate.predicted_wait_s(2) == 200.0
+        await admitted("r1")
+        queued = asyncio.create_task(admitted("r2"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(OpenAIError) as exc:
+            await gate.admit("r3", 1, 0)
+        assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "200"
+        assert gate.num_waiting == 1 and placed == [("r0", "a"), ("r1", "a")]
+        gate.release("r1")
+        await queued
+
+    asyncio.run(scenario())
+    assert [request_id for request_id, _ in placed] == ["r0", "r1", "r2"]
+
+
+def test_gate_places_the_line_first_come_first_placed():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    placed = []
+
+    async def admitted(request_id):
+        await gate.admit(request_id, 1, 0)
+        placed.append(request_id)
+
+    async def scenario():
+        await admitted("r0")
+        line = []
+        for request_id in ("r1", "r2", "r3"):
+            line.append(asyncio.create_task(admitted(request_id)))
+            await asyncio.sleep(0.02)
+        for done in ("r0", "r1", "r2"):
+            gate.release(done)
+            while placed[-1] == done:
+                await asyncio.sleep(0.01)
+        await asyncio.gather(*line)
+
+    asyncio.run(scenario())
+    assert placed == ["r0", "r1", "r2", "r3"]
+
+
 def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()
     metrics.admitted.inc()

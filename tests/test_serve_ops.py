@@ -1,0 +1,50 @@
+"""The operator's side of the service on a real local Ray Serve instance (CPU, loopback, a tiny random model): a
+burst beyond the slots queues and is served, only what is beyond the queue gets 429."""
+import asyncio
+import json
+
+import pytest
+
+from serve_app.local import local_service, send_at_once
+from shadowkv_core.tiny_model import build_tiny_model
+from support.serve import assert_engine_drains
+
+APP = "shadowkv"
+MODEL = "tiny"
+SLOTS = 2
+QUEUE = 4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / MODEL))
+
+
+@pytest.fixture(scope="module")
+def url(model_path):
+    args = {"model": model_path, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
+            "max_waiting": QUEUE, "max_wait_s": 300, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
+    with local_service(args, APP) as base:
+        yield base
+
+
+def _burst(url: str, n: int, max_tokens: int = 64) -> list[dict]:
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True}
+    return asyncio.run(send_at_once(url, json.dumps(body).encode(), n, timeout_s=300))
+
+
+def test_a_burst_within_the_queue_waits_and_is_served_in_full(url):
+    replies = _burst(url, SLOTS + QUEUE)
+    assert [r["status"] for r in replies] == [200] * (SLOTS + QUEUE)
+    assert all(r["completion_tokens"] == 64 for r in replies)
+    assert_engine_drains(APP, within_s=5.0)
+
+
+def test_a_burst_beyond_the_queue_refuses_only_the_excess_with_retry_after(url):
+    replies = _burst(url, SLOTS + QUEUE + 3, max_tokens=256)
+    ok = [r for r in replies if r["status"] == 200]
+    refused = [r for r in replies if r["status"] == 429]
+    assert len(ok) == SLOTS + QUEUE and len(refused) == 3, [r["status"] for r in replies]
+    assert all(r["completion_tokens"] == 256 for r in ok)
+    assert all(int(r["retry_after"]) >= 1 for r in refused)
+    assert_engine_drains(APP, within_s=5.0)
