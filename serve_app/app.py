@@ -50,6 +50,7 @@ class AppArgs(BaseModel):
     max_tokens_limit: int | None = Field(default=None, ge=1)  # the largest max_tokens a request may ask for
     request_timeout_s: float = Field(default=600.0, gt=0)  # then the request is aborted: 408
     max_body_bytes: int = Field(default=8 << 20, ge=1024)  # larger request bodies: 413
+    metrics_need_api_key: bool = False  # with API keys set, /metrics stays open to scrapers unless this is on
 
     @field_validator("autoscaling")
     @classmethod
@@ -117,5 +118,5 @@ def build_app(raw_args: dict[str, Any]) -> Application:
     limits = RequestLimits(args.max_prompt_tokens, args.max_tokens_limit, args.request_timeout_s)
     return Ingress.bind(engine, weights=weights_source(args, model), max_waiting=args.max_waiting,
                         max_wait_s=args.max_wait_s, default_max_tokens=args.default_max_tokens, limits=limits,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, metrics_need_api_key=args.metrics_need_api_key)
 

@@ -20,11 +20,11 @@ from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
-from serve_app.metrics import ServiceMetrics
+from serve_app.metrics import ErrorCounter, ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
-from serve_app.security import GuardSettings, RequestGuard, load_api_keys
+from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
 from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
 
 logger = logging.getLogger("ray.serve")
@@ -36,6 +36,8 @@ GUARD = GuardSettings()  # API keys and body size limit: the Ingress sets them w
 api.add_middleware(RequestGuard, settings=GUARD)
 CAPACITY = CapacitySource()  # the Ingress sets it when it starts
 api.add_middleware(CapacityAdvert, source=CAPACITY)
+METRICS = ServiceMetrics()  # one ingress a process: the error-counting middleware and the routes share it
+api.add_middleware(ErrorCounter, metrics=METRICS)
 
 
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, ray_actor_options={"num_cpus": 0},
@@ -44,8 +46,9 @@ api.add_middleware(CapacityAdvert, source=CAPACITY)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, weights: dict, max_waiting: int = 64, max_wait_s: float = 300.0,
                  default_max_tokens: int = 256, limits: RequestLimits = RequestLimits(),
-                 max_body_bytes: int = 8 << 20):
+                 max_body_bytes: int = 8 << 20, metrics_need_api_key: bool = False):
         GUARD.api_keys, GUARD.max_body_bytes = load_api_keys(), max_body_bytes
+        GUARD.open_paths = OPEN_PATHS if metrics_need_api_key else OPEN_PATHS | {METRICS_PATH}
         self.limits = limits
         self.weights = weights
         self.engine = engine
@@ -54,7 +57,7 @@ class Ingress:
         self.gate = AdmissionGate(self.board, max_waiting=max_waiting, max_wait_s=max_wait_s)
         CAPACITY.read = self.gate.capacity
         self.default_max_tokens = default_max_tokens
-        self.metrics = ServiceMetrics()
+        self.metrics = METRICS
         self.info: dict | None = None
         self.footprint: Footprint | None = None
         self._info_task: asyncio.Task | None = None
@@ -70,7 +73,7 @@ class Ingress:
         await self._require_ready()
         return ModelList(data=[self._model_card()])
 
-    @api.get("/metrics")
+    @api.get(METRICS_PATH)
     async def metrics_text(self) -> Response:
         body = self.metrics.render(self.board.reports(), self.gate.num_waiting, self.board.num_reserved())
         return Response(body, media_type="text/plain; version=0.0.4")
@@ -131,9 +134,11 @@ class Ingress:
             async for event in until_deadline(stream, arrived + self.limits.request_timeout_s):
                 now, count = time.monotonic(), event.get("num_new_tokens", 0)
                 if count:
-                    self._observe_latency(now - (last or arrived), count, first=last is None)
+                    self.metrics.record_tokens(count, now - (last or arrived), first=last is None)
                     last = now
                 finished = "error" in event or event["finished"]
+                if "error" not in event and event["finished"]:
+                    self.metrics.record_end(event["finish_reason"], event["prompt_tokens"], now - arrived)
                 yield event
         except TimeoutError:
             yield timed_out(self.limits.request_timeout_s)
@@ -149,14 +154,8 @@ class Ingress:
         finally:
             if not finished:
                 stream.cancel()
+                self.metrics.record_end("abort", len(prepared.prompt_token_ids), time.monotonic() - arrived)
             self.gate.release(request_id)
-
-    def _observe_latency(self, gap_s: float, count: int, first: bool) -> None:
-        self.metrics.record_tokens(count)
-        if first:
-            self.metrics.ttft.observe(gap_s)
-        else:
-            self.metrics.itl.observe(gap_s / count)
 
     async def _first_event(self, events: AsyncIterator[dict]) -> dict:
         """Wait for the first event so that a refusal by the replica gets its own HTTP status, even when streaming."""
@@ -186,6 +185,7 @@ class Ingress:
             logger.exception("could not get the model's info from an engine replica")
             return
         self.footprint = info["footprint"]
+        self.metrics.model_name = info["model"]
         self.info = info
 
     def _model_card(self) -> ModelCard:

@@ -214,3 +214,24 @@ def test_dockerfile_runs_prod_as_non_root_and_checks_the_ingress_health_route():
     port = _prod()["http_options"]["port"]
     assert f"http://127.0.0.1:{port}/health" in ops["HEALTHCHECK"]
     assert '@api.get("/health")' in (ROOT / "serve_app" / "ingress.py").read_text()
+
+
+def test_grafana_dashboard_plots_only_series_the_service_exposes():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve_app.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics()
+    metrics.model_name = "m"
+    metrics.record_tokens(1, 0.1, first=True)
+    metrics.record_tokens(1, 0.1, first=False)
+    metrics.record_end("stop", 1, 0.2)
+    metrics.errors.labels("400").inc()
+    metrics.rejected.labels("rate_limit_exceeded").inc()
+    text = metrics.render([{"gpu_bytes_in_use": 1, "hit_rate": 0.5}], 0, 0).decode()
+    exposed = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    dashboard = json.loads((INFRA / "grafana" / "shadowkv-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    plotted = {name for expr in exprs for name in re.findall(r"\b(vllm:\w+|shadowkv_\w+)", expr)}
+    assert plotted and plotted <= exposed, plotted - exposed
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"} <= plotted

@@ -1,9 +1,13 @@
 """The operator's side of the service on a real local Ray Serve instance (CPU, loopback, a tiny random model): a
-burst beyond the slots queues and is served, only what is beyond the queue gets 429."""
+burst beyond the slots queues and is served, only what is beyond the queue gets 429; /metrics counts known requests
+under vLLM's names and ours."""
 import asyncio
 import json
 
+import httpx
+import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app.local import local_service, send_at_once
 from shadowkv_core.tiny_model import build_tiny_model
@@ -48,3 +52,36 @@ def test_a_burst_beyond_the_queue_refuses_only_the_excess_with_retry_after(url):
     assert all(r["completion_tokens"] == 256 for r in ok)
     assert all(int(r["retry_after"]) >= 1 for r in refused)
     assert_engine_drains(APP, within_s=5.0)
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, read without an API key: {(name, sorted labels): value}."""
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_count_known_requests_under_vllm_names_and_ours(url):
+    assert_engine_drains(APP, within_s=5.0)
+    before = _scrape(url)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    replies = [client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5,
+                                         extra_body={"ignore_eos": True}) for _ in range(3)]
+    for body in ({"model": MODEL, "prompt": "x", "temperature": "hot"}, {"model": MODEL}):
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+    assert_engine_drains(APP, within_s=5.0)
+    after = _scrape(url)
+    model = (("model_name", MODEL),)
+
+    def grew(name: str, labels: tuple = model) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert grew("vllm:request_success_total", (("finished_reason", "length"), *model)) == 3
+    assert grew("vllm:generation_tokens_total") == 15 == grew("shadowkv_generated_tokens_total", ())
+    assert grew("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    for histogram in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds"):
+        assert grew(f"{histogram}_count") == 3
+    assert grew("vllm:inter_token_latency_seconds_count") == grew("shadowkv_inter_token_latency_seconds_count", ())
+    assert grew("shadowkv_request_errors_total", (("status", "400"),)) == 2
+    assert after[("vllm:num_requests_running", model)] == after[("vllm:num_requests_waiting", model)] == 0

@@ -15,6 +15,7 @@ from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
+from serve_app.security import OPEN_PATHS, GuardSettings, RequestGuard
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
@@ -277,9 +278,10 @@ def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()
     metrics.admitted.inc()
     metrics.rejected.labels(reason="rate_limit_exceeded").inc()
-    metrics.record_tokens(20)
-    metrics.ttft.observe(0.2)
-    metrics.itl.observe(0.01)
+    metrics.model_name = "m"
+    metrics.record_tokens(18, 0.2, first=True)
+    metrics.record_tokens(2, 0.02, first=False)
+    metrics.record_end("length", 7, 0.3)
     reports = [{"gpu_bytes_in_use": 10, "gpu_bytes_peak": 12, "host_bytes_in_use": 3, "hit_rate": 0.5,
                 "chunks_selected_total": 8, "chunk_hits_total": 6},
                {"gpu_bytes_in_use": 5, "gpu_bytes_peak": 9, "chunks_selected_total": 4, "chunk_hits_total": 1}]
@@ -289,8 +291,34 @@ def test_metrics_render_prometheus_text():
                  "shadowkv_time_to_first_token_seconds_bucket", "shadowkv_inter_token_latency_seconds_count 1.0",
                  "shadowkv_hit_rate 0.5", "shadowkv_gpu_bytes_in_use 15.0", "shadowkv_host_bytes_in_use 3.0",
                  "shadowkv_gpu_bytes_peak 21.0", "shadowkv_chunks_selected_total 12.0",
-                 "shadowkv_chunk_hits_total 7.0"):
+                 "shadowkv_chunk_hits_total 7.0", 'vllm:generation_tokens_total{model_name="m"} 20.0',
+                 'vllm:prompt_tokens_total{model_name="m"} 7.0', 'vllm:num_requests_waiting{model_name="m"} 2.0',
+                 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0',
+                 'vllm:inter_token_latency_seconds_count{model_name="m"} 1.0',
+                 'vllm:time_to_first_token_seconds_count{model_name="m"} 1.0',
+                 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0'):
         assert name in text, name
+
+
+def test_metrics_are_open_to_scrapers_unless_configured_to_need_the_key():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def status_of(settings: GuardSettings) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        await RequestGuard(app, settings)({"type": "http", "path": "/metrics", "headers": []}, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(status_of(GuardSettings(api_keys=(b"k",)))) == 200
+    assert asyncio.run(status_of(GuardSettings(api_keys=(b"k",), open_paths=OPEN_PATHS))) == 401
 
 
 def test_metrics_count_requests_per_replica_and_forget_replicas_gone():
