@@ -7,10 +7,13 @@
 """
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
@@ -22,6 +25,8 @@ from shadowkv_core.config import engine_fields
 SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 POLICY = "serve_app.autoscaling:memory_demand_policy"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]$")
+GPU_WAIT_ENV = "SHADOWKV_GPU_WAIT_S"  # clusters whose GPU nodes start on demand set it longer
+GPU_WAIT_S = 20.0
 
 
 class AppArgs(BaseModel):
@@ -94,6 +99,18 @@ def validated_model(path: Path, args: AppArgs) -> str:
     return args.model
 
 
+def require_gpus(args: AppArgs, wait_s: float, poll_s: float = 1.0) -> None:
+    """A replica that asks for GPUs on a Ray cluster without them would wait forever to be placed: fail the start-up
+    instead, once `wait_s` has passed without the cluster showing the GPUs one replica needs."""
+    deadline = time.monotonic() + wait_s
+    while (have := ray.cluster_resources().get("GPU", 0)) < args.num_gpus:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no GPU: each engine replica needs {args.num_gpus:g} (num_gpus, device {args.device!r}) "
+                               f"but this Ray cluster has {have:g} after {wait_s:g} s; serve configs/local.yaml on a "
+                               f"machine without a GPU, or set {GPU_WAIT_ENV} where GPU nodes start on demand")
+        time.sleep(poll_s)
+
+
 def engine_config(args: AppArgs, model: str) -> dict[str, Any]:
     return engine_fields(args.model_dump(), model)
 
@@ -113,6 +130,8 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
 def build_app(raw_args: dict[str, Any]) -> Application:
     args = AppArgs(**raw_args)
     model = resolve_model(args)
+    if ray.is_initialized():  # building inside a cluster (not a config check)
+        require_gpus(args, float(os.environ.get(GPU_WAIT_ENV, GPU_WAIT_S)))
     served_name = args.served_model_name or Path(args.model).name
     engine = EngineReplica.options(**replica_options(args)).bind(engine_config(args, model), served_name)
     limits = RequestLimits(args.max_prompt_tokens, args.max_tokens_limit, args.request_timeout_s)

@@ -9,6 +9,7 @@ from ray.serve._private.build_app import build_app as serve_build
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.schema import ServeDeploySchema
 
+from serve_app import app as app_module
 from serve_app.app import AppArgs, build_app, replica_options, resolve_model, weights_source
 from serve_app.autoscaling import memory_demand_policy
 from serve_app.router import MemoryAwareRouter
@@ -113,3 +114,14 @@ def test_router_is_a_request_router():
     from ray.serve.request_router import RequestRouter
 
     assert issubclass(MemoryAwareRouter, RequestRouter)
+
+
+def test_prod_on_a_cluster_without_a_gpu_fails_naming_it_and_waits_only_a_bounded_time(monkeypatch):
+    seen = iter([{"CPU": 2.0}, {"CPU": 2.0, "GPU": 1.0}])  # a GPU node joins while the build waits
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: next(seen))
+    app_module.require_gpus(AppArgs(**_args("prod.yaml")), wait_s=60, poll_s=0)
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(RuntimeError, match="no GPU: each engine replica needs 1 .* this Ray cluster has 0"):
+        app_module.require_gpus(AppArgs(**_args("prod.yaml")), wait_s=0)
+    app_module.require_gpus(AppArgs(**_args("local.yaml")), wait_s=0)  # CPU replicas need none
+    assert app_module.GPU_WAIT_S < 30
