@@ -5,6 +5,7 @@ it onto a replica with room (or refuse at once), stream the engine replica's eve
 """
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from typing import AsyncIterator
@@ -26,6 +27,8 @@ from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelC
                                 new_request_id)
 from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
 from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
+from serve_app.tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize,
+                              tokenize)
 
 logger = logging.getLogger("ray.serve")
 MODEL_INFO_TIMEOUT_S = 2.0
@@ -63,7 +66,7 @@ class Ingress:
         self._info_task: asyncio.Task | None = None
 
     # ---- routes ----------------------------------------------------------------------------------------------
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         await self._require_ready()
         return JSONResponse({"status": "ok", "replicas": self.board.num_replicas()})
@@ -72,6 +75,29 @@ class Ingress:
     async def models(self) -> ModelList:
         await self._require_ready()
         return ModelList(data=[self._model_card()])
+
+    @api.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(self, model_id: str) -> ModelCard:
+        await self._require_ready()
+        self._check_model(model_id)
+        return self._model_card()
+
+    @api.get("/version")
+    async def version(self) -> dict:
+        return {"version": importlib.metadata.version("shadowkv-serve")}
+
+    @api.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        await self._require_ready()
+        self._check_model(request.model)
+        tokens = await asyncio.to_thread(tokenize, self.info["tokenizer"], request, self.info["model"])
+        return TokenizeResponse(count=len(tokens), max_model_len=self.info["max_model_len"], tokens=tokens)
+
+    @api.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        await self._require_ready()
+        self._check_model(request.model)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize, self.info["tokenizer"], request.tokens))
 
     @api.get(METRICS_PATH)
     async def metrics_text(self) -> Response:
@@ -191,7 +217,8 @@ class Ingress:
     def _model_card(self) -> ModelCard:
         return ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"], **self.weights)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.info["model"]:
+    def _check_model(self, model: str | None) -> None:
+        """The served model, or none named (only /tokenize and /detokenize may leave it out)."""
+        if model is not None and model != self.info["model"]:
             raise OpenAIError(404, f"The model {model!r} does not exist; this service serves "
                                    f"{self.info['model']!r}.", param="model", code="model_not_found")
