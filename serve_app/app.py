@@ -66,7 +66,6 @@ class AppArgs(BaseModel):
         return value
 
 
-
 def resolve_model(args: AppArgs) -> str:
     """A local model directory as an absolute path (replicas may run elsewhere in the tree), a relative one taken
     from the config's folder, not the working directory; or a hub id."""

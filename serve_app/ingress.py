@@ -87,14 +87,14 @@ class Ingress:
         return {"version": importlib.metadata.version("shadowkv-serve")}
 
     @api.post("/tokenize", response_model=TokenizeResponse)
-    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize_prompt(self, request: TokenizeRequest) -> TokenizeResponse:
         await self._require_ready()
         self._check_model(request.model)
         tokens = await asyncio.to_thread(tokenize, self.info["tokenizer"], request, self.info["model"])
         return TokenizeResponse(count=len(tokens), max_model_len=self.info["max_model_len"], tokens=tokens)
 
     @api.post("/detokenize", response_model=DetokenizeResponse)
-    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize_tokens(self, request: DetokenizeRequest) -> DetokenizeResponse:
         await self._require_ready()
         self._check_model(request.model)
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize, self.info["tokenizer"], request.tokens))

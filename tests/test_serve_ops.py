@@ -22,16 +22,18 @@ QUEUE = 4
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / MODEL))
+def served(tmp_path_factory):
+    """(base URL, model path): one replica of 2 slots and a line of 4 that may wait minutes."""
+    model = str(build_tiny_model(tmp_path_factory.mktemp("models") / MODEL))
+    args = {"model": model, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
+            "max_waiting": QUEUE, "max_wait_s": 300, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
+    with local_service(args, APP) as base:
+        yield base, model
 
 
 @pytest.fixture(scope="module")
-def url(model_path):
-    args = {"model": model_path, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
-            "max_waiting": QUEUE, "max_wait_s": 300, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
-    with local_service(args, APP) as base:
-        yield base
+def url(served):
+    return served[0]
 
 
 def _burst(url: str, n: int, max_tokens: int = 64) -> list[dict]:
@@ -89,7 +91,8 @@ def test_metrics_count_known_requests_under_vllm_names_and_ours(url):
     assert ("vllm:num_requests_running", model) in after and ("vllm:num_requests_waiting", model) in after
 
 
-def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(url, model_path):
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(served):
+    url, model_path = served
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "The quick brown fox"})
     assert r.status_code == 200, r.text
@@ -108,7 +111,8 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(url, model_path):
         assert param is None or r.json()["error"]["param"] == param
 
 
-def test_version_model_card_and_head_health(url, model_path):
+def test_version_model_card_and_head_health(served):
+    url, model_path = served
     assert httpx.get(f"{url}/version").json() == {"version": importlib.metadata.version("shadowkv-serve")}
     card = httpx.get(f"{url}/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["root"] == model_path and card["random_weights"] is False
