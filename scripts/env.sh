@@ -10,14 +10,17 @@ extras=${SHADOWKV_EXTRAS:-test}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
-pipq() { python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+# pip's own lines (Collecting, Downloading, Installing) are the install's progress: shown, not silenced
+pipi() { python -m pip --disable-pip-version-check install "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 # An installed torch that already satisfies the project is never replaced (it may be a CUDA build).
 if ! python -c "import torch" 2>/dev/null; then
-    pipq install "${SHADOWKV_TORCH_SPEC:-torch==2.13.0}"
+    echo "shadowkv: installing ${SHADOWKV_TORCH_SPEC:-torch==2.13.0} into $venv" >&2
+    pipi "${SHADOWKV_TORCH_SPEC:-torch==2.13.0}"
 fi
 stamp="$venv/.shadowkv-installed-$extras"
 if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ]; then
-    pipq install -e "$repo[$extras]"
+    echo "shadowkv: installing the project and its dependencies ($extras) into $venv" >&2
+    pipi -e "$repo[$extras]"
     python -c "import shadowkv_core, kernels, serve_app"
     touch "$stamp"
 fi

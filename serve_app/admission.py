@@ -9,13 +9,18 @@ the reported free bytes) or when the request ends, whichever comes first.
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from serve_app.errors import OpenAIError, over_capacity
 from shadowkv_core import ShadowKVConfig
 from shadowkv_core import memory_model as mm
+
+HOLD_TIMES_KEPT = 32  # the predicted wait follows recent requests, not the service's whole history
 
 @dataclass(frozen=True)
 class Footprint:
@@ -156,50 +161,86 @@ def board_for(app_name: str, deployment_name: str) -> CapacityBoard:
 
 
 class AdmissionGate:
-    """Admit a request onto a replica with room for it, waiting at most `max_wait_s` and only while fewer than
-    `max_waiting` others wait; beyond that, or when the replicas' bounds say no request can end within the wait,
-    refuse at once with 429 and a Retry-After."""
+    """Admit a request onto a replica with room for it. Without room it queues, first come first placed, while
+    fewer than `max_waiting` others wait and its predicted wait stays within `max_wait_s`; beyond either bound, or
+    when the replicas' bounds say no request can end within the wait, it is refused at once with 429 and a
+    Retry-After. The predicted wait: the requests ahead of it, served `total_slots` at a time, each for the mean
+    time a recent request held its slot."""
 
-    def __init__(self, board: CapacityBoard, max_waiting: int, max_wait_s: float, poll_s: float = 0.02):
+    def __init__(self, board: CapacityBoard, max_waiting: int, max_wait_s: float, poll_s: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic):
         self.board, self.max_waiting, self.max_wait_s, self.poll_s = board, max_waiting, max_wait_s, poll_s
-        self.num_waiting = 0
+        self.clock = clock  # times how long requests hold their slots
+        self._queue: collections.deque[str] = collections.deque()
+        self._admitted_at: dict[str, float] = {}
+        self._hold_s = collections.deque(maxlen=HOLD_TIMES_KEPT)  # slot hold times of the last requests to end
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
 
     def capacity(self) -> tuple[int, float] | None:
         """(requests the service holds at most: every slot and the waiting line, the Retry-After of a refusal), for
         the proxies' edge shedding (serve_app/edge.py); None while no replica has reported."""
         slots = self.board.total_slots()
-        return (slots + self.max_waiting, self.max_wait_s) if slots else None
+        return (slots + self.max_waiting, self._retry_after_s(self.max_waiting + 1)) if slots else None
+
+    def predicted_wait_s(self, position: int) -> float | None:
+        """Seconds until the `position`-th request in line gets a slot; None before any request has ended here."""
+        slots = self.board.total_slots()
+        if not self._hold_s or not slots:
+            return None
+        return math.ceil(position / slots) * sum(self._hold_s) / len(self._hold_s)
 
     def refuse_early(self) -> None:
         """Refuse before any work on the request (tokenization) when no replica has a slot and none may wait."""
         if self.num_waiting >= self.max_waiting and not self.board.has_free_slot():
-            raise over_capacity(self.max_wait_s)
+            raise over_capacity(self._retry_after_s(self.num_waiting + 1))
 
     async def admit(self, request_id: str, gpu: int, host: int) -> str:
         if not self.board.fits_when_idle(gpu, host):
             raise OpenAIError(400, f"The request needs {gpu} GPU and {host} host bytes; no replica has that much "
                                    "even when idle. Shorten the prompt or max_tokens.", code="request_too_large")
-        replica = self.board.place(request_id, gpu, host)
-        if replica is not None:
-            return replica
-        if self.num_waiting >= self.max_waiting:
-            raise over_capacity(self.max_wait_s)
+        replica = None if self._queue else self.board.place(request_id, gpu, host)
+        if replica is None:
+            self._refuse_beyond_bounds(self.num_waiting + 1)
+            replica = await self._wait_for_room(request_id, gpu, host)
+        self._admitted_at[request_id] = self.clock()
+        return replica
+
+    def release(self, request_id: str) -> None:
+        """The request has ended: its reservation goes, and the time it held its slot feeds the predicted wait."""
+        admitted = self._admitted_at.pop(request_id, None)
+        if admitted is not None:
+            self._hold_s.append(self.clock() - admitted)
+        self.board.release(request_id)
+
+    def _refuse_beyond_bounds(self, position: int) -> None:
+        if position > self.max_waiting:
+            raise over_capacity(self._retry_after_s(position))
+        predicted = self.predicted_wait_s(position)
+        if predicted is not None and predicted > self.max_wait_s:
+            raise over_capacity(predicted)
         free_at = self.board.next_free_at()
         if free_at is not None and (free_in := free_at - time.time()) > self.max_wait_s:
             # No request anywhere can end within the wait (every replica's slots are still in their prefills):
             # waiting could only end in this same refusal. Retry-After: when the first one may end.
             raise over_capacity(free_in)
-        return await self._wait_for_room(request_id, gpu, host)
+
+    def _retry_after_s(self, position: int) -> float:
+        predicted = self.predicted_wait_s(position)
+        return 1.0 if predicted is None else predicted
 
     async def _wait_for_room(self, request_id: str, gpu: int, host: int) -> str:
-        self.num_waiting += 1
+        """Polls for room, only at the head of the line, so requests are placed in the order they came."""
+        self._queue.append(request_id)
         try:
             deadline = time.monotonic() + self.max_wait_s
             while time.monotonic() < deadline:
                 await asyncio.sleep(self.poll_s)
-                replica = self.board.place(request_id, gpu, host)
+                replica = self.board.place(request_id, gpu, host) if self._queue[0] == request_id else None
                 if replica is not None:
                     return replica
-            raise over_capacity(self.max_wait_s)
+            raise over_capacity(self._retry_after_s(self.num_waiting))
         finally:
-            self.num_waiting -= 1
+            self._queue.remove(request_id)

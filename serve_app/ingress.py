@@ -5,6 +5,7 @@ it onto a replica with room (or refuse at once), stream the engine replica's eve
 """
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from typing import AsyncIterator
@@ -20,12 +21,14 @@ from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
-from serve_app.metrics import ServiceMetrics
+from serve_app.metrics import ErrorCounter, ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
-from serve_app.security import GuardSettings, RequestGuard, load_api_keys
+from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
 from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
+from serve_app.tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize,
+                              tokenize)
 
 logger = logging.getLogger("ray.serve")
 MODEL_INFO_TIMEOUT_S = 2.0
@@ -36,30 +39,34 @@ GUARD = GuardSettings()  # API keys and body size limit: the Ingress sets them w
 api.add_middleware(RequestGuard, settings=GUARD)
 CAPACITY = CapacitySource()  # the Ingress sets it when it starts
 api.add_middleware(CapacityAdvert, source=CAPACITY)
+METRICS = ServiceMetrics()  # one ingress a process: the error-counting middleware and the routes share it
+api.add_middleware(ErrorCounter, metrics=METRICS)
 
 
 @serve.deployment(max_ongoing_requests=1024, max_queued_requests=512, ray_actor_options={"num_cpus": 0},
                   backpressure_config={"status_code": 429, "retry_after_s": 1})
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, max_waiting: int = 16, max_wait_s: float = 0.5,
+    def __init__(self, engine: DeploymentHandle, weights: dict, max_waiting: int = 64, max_wait_s: float = 300.0,
                  default_max_tokens: int = 256, limits: RequestLimits = RequestLimits(),
-                 max_body_bytes: int = 8 << 20):
+                 max_body_bytes: int = 8 << 20, metrics_need_api_key: bool = False):
         GUARD.api_keys, GUARD.max_body_bytes = load_api_keys(), max_body_bytes
+        GUARD.open_paths = OPEN_PATHS if metrics_need_api_key else OPEN_PATHS | {METRICS_PATH}
         self.limits = limits
+        self.weights = weights
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.board = board_for(serve.get_replica_context().app_name, engine.deployment_name)
         self.gate = AdmissionGate(self.board, max_waiting=max_waiting, max_wait_s=max_wait_s)
         CAPACITY.read = self.gate.capacity
         self.default_max_tokens = default_max_tokens
-        self.metrics = ServiceMetrics()
+        self.metrics = METRICS
         self.info: dict | None = None
         self.footprint: Footprint | None = None
         self._info_task: asyncio.Task | None = None
 
     # ---- routes ----------------------------------------------------------------------------------------------
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         await self._require_ready()
         return JSONResponse({"status": "ok", "replicas": self.board.num_replicas()})
@@ -67,9 +74,32 @@ class Ingress:
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
         await self._require_ready()
-        return ModelList(data=[ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"])])
+        return ModelList(data=[self._model_card()])
 
-    @api.get("/metrics")
+    @api.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(self, model_id: str) -> ModelCard:
+        await self._require_ready()
+        self._check_model(model_id)
+        return self._model_card()
+
+    @api.get("/version")
+    async def version(self) -> dict:
+        return {"version": importlib.metadata.version("shadowkv-serve")}
+
+    @api.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_prompt(self, request: TokenizeRequest) -> TokenizeResponse:
+        await self._require_ready()
+        self._check_model(request.model)
+        tokens = await asyncio.to_thread(tokenize, self.info["tokenizer"], request, self.info["model"])
+        return TokenizeResponse(count=len(tokens), max_model_len=self.info["max_model_len"], tokens=tokens)
+
+    @api.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_tokens(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        await self._require_ready()
+        self._check_model(request.model)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize, self.info["tokenizer"], request.tokens))
+
+    @api.get(METRICS_PATH)
     async def metrics_text(self) -> Response:
         body = self.metrics.render(self.board.reports(), self.gate.num_waiting, self.board.num_reserved())
         return Response(body, media_type="text/plain; version=0.0.4")
@@ -130,9 +160,11 @@ class Ingress:
             async for event in until_deadline(stream, arrived + self.limits.request_timeout_s):
                 now, count = time.monotonic(), event.get("num_new_tokens", 0)
                 if count:
-                    self._observe_latency(now - (last or arrived), count, first=last is None)
+                    self.metrics.record_tokens(count, now - (last or arrived), first=last is None)
                     last = now
                 finished = "error" in event or event["finished"]
+                if "error" not in event and event["finished"]:
+                    self.metrics.record_end(event["finish_reason"], event["prompt_tokens"], now - arrived)
                 yield event
         except TimeoutError:
             yield timed_out(self.limits.request_timeout_s)
@@ -148,14 +180,8 @@ class Ingress:
         finally:
             if not finished:
                 stream.cancel()
-            self.board.release(request_id)
-
-    def _observe_latency(self, gap_s: float, count: int, first: bool) -> None:
-        self.metrics.record_tokens(count)
-        if first:
-            self.metrics.ttft.observe(gap_s)
-        else:
-            self.metrics.itl.observe(gap_s / count)
+                self.metrics.record_end("abort", len(prepared.prompt_token_ids), time.monotonic() - arrived)
+            self.gate.release(request_id)
 
     async def _first_event(self, events: AsyncIterator[dict]) -> dict:
         """Wait for the first event so that a refusal by the replica gets its own HTTP status, even when streaming."""
@@ -185,9 +211,14 @@ class Ingress:
             logger.exception("could not get the model's info from an engine replica")
             return
         self.footprint = info["footprint"]
+        self.metrics.model_name = info["model"]
         self.info = info
 
-    def _check_model(self, model: str) -> None:
-        if model != self.info["model"]:
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"], **self.weights)
+
+    def _check_model(self, model: str | None) -> None:
+        """The served model, or none named (only /tokenize and /detokenize may leave it out)."""
+        if model is not None and model != self.info["model"]:
             raise OpenAIError(404, f"The model {model!r} does not exist; this service serves "
                                    f"{self.info['model']!r}.", param="model", code="model_not_found")

@@ -192,6 +192,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "shadowkv-serve"
+    root: str  # where the weights come from: the checkpoint's path or hub id
+    random_weights: bool = False  # load_format "dummy": drawn at random, the answers are noise
     max_model_len: int
 
 

@@ -1,8 +1,8 @@
 """The ingress's guard: optional API keys and the request body size limit, checked before a route reads anything.
 
 Keys come from SHADOWKV_API_KEYS (comma-separated) and/or SHADOWKV_API_KEY_FILE (one key a line, `#` comments); with
-none set the service is open. With keys set, every path but /health needs `Authorization: Bearer <key>`; a missing
-or wrong key is a 401 in OpenAI's error shape. Keys are compared in constant time and never logged.
+none set the service is open. With keys set, every path but /health and /metrics (a scraper's; unless the config
+sets `metrics_need_api_key`) needs `Authorization: Bearer <key>`; a missing or wrong key is a 401 in OpenAI's shape. Keys are compared in constant time and never logged.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from serve_app.errors import OpenAIError
 KEYS_ENV = "SHADOWKV_API_KEYS"
 KEY_FILE_ENV = "SHADOWKV_API_KEY_FILE"
 OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
 
 
 def load_api_keys(env: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
@@ -53,6 +54,7 @@ class GuardSettings:
 
     api_keys: tuple[bytes, ...] = ()
     max_body_bytes: int = 8 << 20
+    open_paths: frozenset[str] = OPEN_PATHS | {METRICS_PATH}
 
 
 @dataclass
@@ -73,7 +75,7 @@ class RequestGuard:
 
     def _refusal(self, scope) -> OpenAIError | None:
         headers = dict(scope["headers"])
-        if self.settings.api_keys and scope["path"] not in OPEN_PATHS:
+        if self.settings.api_keys and scope["path"] not in self.settings.open_paths:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not token:
                 return unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")

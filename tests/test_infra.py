@@ -213,4 +213,31 @@ def test_dockerfile_runs_prod_as_non_root_and_checks_the_ingress_health_route():
     assert json.loads(ops["ENTRYPOINT"]) == ["serve", "run", "configs/prod.yaml"]
     port = _prod()["http_options"]["port"]
     assert f"http://127.0.0.1:{port}/health" in ops["HEALTHCHECK"]
-    assert '@api.get("/health")' in (ROOT / "serve_app" / "ingress.py").read_text()
+    assert re.search(r'@api\.(get|api_route)\("/health"', (ROOT / "serve_app" / "ingress.py").read_text())
+
+
+def test_grafana_dashboard_plots_only_series_the_service_exposes():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve_app.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics()
+    metrics.model_name = "m"
+    metrics.record_tokens(1, 0.1, first=True)
+    metrics.record_tokens(1, 0.1, first=False)
+    metrics.record_end("stop", 1, 0.2)
+    metrics.errors.labels("400").inc()
+    metrics.rejected.labels("rate_limit_exceeded").inc()
+    text = metrics.render([{"gpu_bytes_in_use": 1, "hit_rate": 0.5}], 0, 0).decode()
+    exposed = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    dashboard = json.loads((INFRA / "grafana" / "shadowkv-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    plotted = {name for expr in exprs for name in re.findall(r"\b(vllm:\w+|shadowkv_\w+)", expr)}
+    assert plotted and plotted <= exposed, plotted - exposed
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"} <= plotted
+
+
+def test_sigterm_stops_the_server_without_a_crash_dump_wherever_it_is_started():
+    """Ray's failure-signal handler prints a stack dump on SIGTERM; off, Ray's own SIGTERM handler exits cleanly."""
+    assert ("ENV", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1") in _dockerfile()
+    assert "RAY_DISABLE_FAILURE_SIGNAL_HANDLER:-1" in (ROOT / "scripts" / "serve.sh").read_text()

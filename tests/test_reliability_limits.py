@@ -68,9 +68,10 @@ def _inject(kind: str, value=None) -> None:
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {KEY}"},
                                      {"Authorization": "Bearer"}])
-def test_missing_or_wrong_key_is_a_401_everywhere_but_health(url, headers):
+def test_missing_or_wrong_key_is_a_401_everywhere_but_health_and_metrics(url, headers):
     assert httpx.get(f"{url}/health", headers=headers).status_code == 200
-    for path in ("/v1/models", "/metrics", "/openapi.json", "/docs"):
+    assert httpx.get(f"{url}/metrics", headers=headers).status_code == 200  # a scraper holds no key
+    for path in ("/v1/models", "/openapi.json", "/docs"):
         _assert_openai_error(httpx.get(f"{url}{path}", headers=headers), 401, "invalid_api_key")
     r = _post(url, {"model": MODEL, "prompt": "hi", "max_tokens": 2}, headers=headers)
     assert r.headers["WWW-Authenticate"] == "Bearer"

@@ -1,6 +1,6 @@
 """configs/*.yaml and the application builder, without starting Ray: the files are valid Serve configs, their args
-build the application, prod autoscales on GPUs with the memory-demand policy, local falls back to the tiny model."""
-import logging
+build the application, prod autoscales on GPUs with the memory-demand policy, local serves the shipped small model
+whatever the working directory, and no config serves random weights."""
 from pathlib import Path
 
 import pytest
@@ -10,11 +10,12 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app import app as app_module
-from serve_app.app import AppArgs, build_app, replica_options, resolve_model
+from serve_app.app import AppArgs, build_app, replica_options, resolve_model, weights_source
 from serve_app.autoscaling import memory_demand_policy
 from serve_app.router import MemoryAwareRouter
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SMALL_MODEL = CONFIGS.parent / "models" / "shadowkv-small"
 
 
 def _config(name: str) -> dict:
@@ -60,16 +61,32 @@ def test_autoscaling_delays_are_app_args_and_the_policy_stays():
         AppArgs(**{**args, "autoscaling": {"max_replicas": 4}})
 
 
-def test_local_builds_cpu_replica_and_serves_the_tiny_model_when_the_small_one_is_missing(tmp_path, monkeypatch,
-                                                                                          caplog):
-    monkeypatch.setattr(app_module, "TINY_MODEL_DIR", tmp_path / "tiny")
-    args = {**_args("local.yaml"), "model": str(tmp_path / "not-trained-yet")}
-    with caplog.at_level(logging.WARNING, logger="ray.serve"):
-        model = resolve_model(AppArgs(**args))
-    assert model == str(tmp_path / "tiny") and (tmp_path / "tiny" / "config.json").exists()
-    assert "TINY RANDOM-WEIGHT" in caplog.text
-    engine = _deployments(args)["EngineReplica"]
+def test_local_serves_the_shipped_small_model_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = AppArgs(**_args("local.yaml"))
+    model = resolve_model(args)
+    assert model == str(SMALL_MODEL.resolve())
+    assert weights_source(args, model) == {"root": model, "random_weights": False}
+    engine = _deployments(_args("local.yaml"))["EngineReplica"]
     assert engine.ray_actor_options["num_gpus"] == 0 and engine.num_replicas == 1
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+def test_no_shipped_config_serves_random_weights(name):
+    args = AppArgs(**_args(name))
+    assert args.engine.get("load_format", "auto") != "dummy"
+    with pytest.raises(ValueError, match="tiny_model_fallback"):  # the random-model fallback is gone
+        AppArgs(**{**_args(name), "tiny_model_fallback": True})
+
+
+def test_a_missing_model_stops_start_up_naming_its_path(tmp_path):
+    args = {**_args("local.yaml"), "config_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match=str(tmp_path / "../models/shadowkv-small")):
+        build_app(args)
+    assert resolve_model(AppArgs(model="sub/ckpt", config_dir=str(tmp_path))) == "sub/ckpt"  # a hub id
+    (tmp_path / "sub" / "ckpt").mkdir(parents=True)  # a folder beside the config wins over the hub id
+    with pytest.raises(ValueError, match=str(tmp_path / "sub" / "ckpt")):
+        resolve_model(AppArgs(model="sub/ckpt", config_dir=str(tmp_path)))
 
 
 def test_unknown_arg_or_missing_model_without_fallback():
@@ -97,3 +114,14 @@ def test_router_is_a_request_router():
     from ray.serve.request_router import RequestRouter
 
     assert issubclass(MemoryAwareRouter, RequestRouter)
+
+
+def test_prod_on_a_cluster_without_a_gpu_fails_naming_it_and_waits_only_a_bounded_time(monkeypatch):
+    seen = iter([{"CPU": 2.0}, {"CPU": 2.0, "GPU": 1.0}])  # a GPU node joins while the build waits
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: next(seen))
+    app_module.require_gpus(AppArgs(**_args("prod.yaml")), wait_s=60, poll_s=0)
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(RuntimeError, match="no GPU: each engine replica needs 1 .* this Ray cluster has 0"):
+        app_module.require_gpus(AppArgs(**_args("prod.yaml")), wait_s=0)
+    app_module.require_gpus(AppArgs(**_args("local.yaml")), wait_s=0)  # CPU replicas need none
+    assert app_module.GPU_WAIT_S < 30

@@ -15,6 +15,7 @@ from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
+from serve_app.security import OPEN_PATHS, GuardSettings, RequestGuard
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
@@ -215,13 +216,72 @@ def test_gate_waits_a_bounded_time_for_room():
     assert asyncio.run(scenario()) == "a"
 
 
+def test_gate_queues_in_arrival_order_within_the_predicted_wait_and_refuses_beyond_it():
+    """One slot; requests held it 100 s each: the first in line is predicted to wait 100 s (within the 150 s bound)
+    and queues, the second 200 s and is refused at once with that as Retry-After. Room goes to the line in order."""
+    board = CapacityBoard()
+    board.update({"a": {**_report(GIB, slots=1), "num_slots": 1}})
+    now = [0.0]
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=150.0, poll_s=0.01, clock=lambda: now[0])
+    placed = []
+
+    async def admitted(request_id):
+        placed.append((request_id, await gate.admit(request_id, 1, 0)))
+
+    async def scenario():
+        assert gate.predicted_wait_s(1) is None  # nothing has ended yet: no prediction, so a request may queue
+        await admitted("r0")
+        now[0] += 100.0
+        gate.release("r0")
+        assert gate.predicted_wait_s(1) == 100.0 and gate.predicted_wait_s(2) == 200.0
+        await admitted("r1")
+        queued = asyncio.create_task(admitted("r2"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(OpenAIError) as exc:
+            await gate.admit("r3", 1, 0)
+        assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "200"
+        assert gate.num_waiting == 1 and placed == [("r0", "a"), ("r1", "a")]
+        gate.release("r1")
+        await queued
+
+    asyncio.run(scenario())
+    assert [request_id for request_id, _ in placed] == ["r0", "r1", "r2"]
+
+
+def test_gate_places_the_line_first_come_first_placed():
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    placed = []
+
+    async def admitted(request_id):
+        await gate.admit(request_id, 1, 0)
+        placed.append(request_id)
+
+    async def scenario():
+        await admitted("r0")
+        line = []
+        for request_id in ("r1", "r2", "r3"):
+            line.append(asyncio.create_task(admitted(request_id)))
+            await asyncio.sleep(0.02)
+        for done in ("r0", "r1", "r2"):
+            gate.release(done)
+            while placed[-1] == done:
+                await asyncio.sleep(0.01)
+        await asyncio.gather(*line)
+
+    asyncio.run(scenario())
+    assert placed == ["r0", "r1", "r2", "r3"]
+
+
 def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()
     metrics.admitted.inc()
     metrics.rejected.labels(reason="rate_limit_exceeded").inc()
-    metrics.record_tokens(20)
-    metrics.ttft.observe(0.2)
-    metrics.itl.observe(0.01)
+    metrics.model_name = "m"
+    metrics.record_tokens(18, 0.2, first=True)
+    metrics.record_tokens(2, 0.02, first=False)
+    metrics.record_end("length", 7, 0.3)
     reports = [{"gpu_bytes_in_use": 10, "gpu_bytes_peak": 12, "host_bytes_in_use": 3, "hit_rate": 0.5,
                 "chunks_selected_total": 8, "chunk_hits_total": 6},
                {"gpu_bytes_in_use": 5, "gpu_bytes_peak": 9, "chunks_selected_total": 4, "chunk_hits_total": 1}]
@@ -231,8 +291,34 @@ def test_metrics_render_prometheus_text():
                  "shadowkv_time_to_first_token_seconds_bucket", "shadowkv_inter_token_latency_seconds_count 1.0",
                  "shadowkv_hit_rate 0.5", "shadowkv_gpu_bytes_in_use 15.0", "shadowkv_host_bytes_in_use 3.0",
                  "shadowkv_gpu_bytes_peak 21.0", "shadowkv_chunks_selected_total 12.0",
-                 "shadowkv_chunk_hits_total 7.0"):
+                 "shadowkv_chunk_hits_total 7.0", 'vllm:generation_tokens_total{model_name="m"} 20.0',
+                 'vllm:prompt_tokens_total{model_name="m"} 7.0', 'vllm:num_requests_waiting{model_name="m"} 2.0',
+                 'vllm:request_success_total{finished_reason="length",model_name="m"} 1.0',
+                 'vllm:inter_token_latency_seconds_count{model_name="m"} 1.0',
+                 'vllm:time_to_first_token_seconds_count{model_name="m"} 1.0',
+                 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0'):
         assert name in text, name
+
+
+def test_metrics_are_open_to_scrapers_unless_configured_to_need_the_key():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def status_of(settings: GuardSettings) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        await RequestGuard(app, settings)({"type": "http", "path": "/metrics", "headers": []}, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(status_of(GuardSettings(api_keys=(b"k",)))) == 200
+    assert asyncio.run(status_of(GuardSettings(api_keys=(b"k",), open_paths=OPEN_PATHS))) == 401
 
 
 def test_metrics_count_requests_per_replica_and_forget_replicas_gone():
