@@ -26,11 +26,15 @@ def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionReque
         messages = [m.model_dump() for m in request.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if isinstance(request.prompt, list):
-        return list(request.prompt)  # the engine checks the ids against its vocabulary
+    if len(request.prompt) > 1:
+        raise invalid_field("prompt", f"prompt: a batch of {len(request.prompt)} prompts; this service takes one "
+                                      "prompt per request for now")
+    prompt = request.prompt[0]
+    if isinstance(prompt, list):
+        return list(prompt)  # the engine checks the ids against its vocabulary
     if tokenizer is None:
         raise invalid_field("prompt", "this model ships no tokenizer; send the prompt as token ids")
-    return tokenizer(request.prompt)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
 
 
 def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int,
@@ -46,8 +50,11 @@ def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                              top_k=request.top_k, seed=request.seed, stop=list(request.stop),
-                              ignore_eos=request.ignore_eos)
+                              top_k=request.top_k, min_p=request.min_p, seed=request.seed, stop=list(request.stop),
+                              stop_token_ids=list(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
+                              min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
+                              frequency_penalty=request.frequency_penalty,
+                              repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias or {}))
     except ValueError as exc:
         named = _FIELD_PREFIX.match(str(exc))
         raise invalid_field(named.group(1) if named else "request", str(exc)) from exc

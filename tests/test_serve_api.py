@@ -137,6 +137,56 @@ def test_streaming_chat_completion(client, llm):
     assert chunks[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+def test_prompt_shapes_and_text_parts_answer_as_a_plain_string_does(client, llm):
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    ids = list(expected.prompt_token_ids)
+    for prompt in (ids, [PROMPT], [ids]):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == expected.text and got.usage.prompt_tokens == len(ids), prompt
+    chat = _chat_ids(llm, "hello\nworld")
+    want = llm.generate([chat], SamplingParams(max_tokens=6, temperature=0))[0].text
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
+                                         temperature=0)
+    assert got.choices[0].message.content == want and got.usage.prompt_tokens == len(chat)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_min_tokens_and_stop_token_ids_end_to_end(client, llm, stream):
+    """A +100 bias makes greedy pick one id every time; that id as a stop token ends the answer at once, except
+    while min_tokens masks it: then the answer ends right after min_tokens."""
+    token = llm.tokenizer(" fox", add_special_tokens=False)["input_ids"][-1]
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={str(token): 100})
+    cases = [({}, 8, "length"), ({"stop_token_ids": [token]}, 1, "stop"),
+             ({"stop_token_ids": [token], "min_tokens": 3}, 4, "stop")]
+    for extra, num_tokens, reason in cases:
+        if stream:
+            chunks = list(client.completions.create(**common, stream=True, stream_options={"include_usage": True},
+                                                    extra_body=extra))
+            used, finish = chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks
+                                                               if c.choices][-1]
+        else:
+            got = client.completions.create(**common, extra_body=extra)
+            used, finish = got.usage.completion_tokens, got.choices[0].finish_reason
+        assert (used, finish) == (num_tokens, reason), extra
+    got = client.completions.create(**common)
+    assert got.choices[0].text == llm.tokenizer.decode([token] * 8)
+
+
+def test_penalties_and_min_p_answer_as_llm_generate_does(client, llm):
+    fields = dict(repetition_penalty=1.3, frequency_penalty=1.5, presence_penalty=0.5, min_p=0.1)
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0))[0].text
+    for temperature, seed in ((0, None), (1.0, 7)):
+        want = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=temperature, seed=seed,
+                                                     **fields))[0].text
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=temperature,
+                                        seed=seed, frequency_penalty=1.5, presence_penalty=0.5,
+                                        extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
+        assert got.choices[0].text == want
+    penalised = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, **fields))[0].text
+    assert penalised != greedy  # the penalties change this model's greedy answer: the comparison above means something
+
+
 def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
@@ -156,6 +206,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
 ]
 
 

@@ -6,14 +6,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from serve_app.admission import AdmissionGate, CapacityBoard
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
-from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
+from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
 from serve_app.metrics import ServiceMetrics
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
@@ -57,10 +59,11 @@ async def _drain(agen):
 
 
 def test_request_schemas_refuse_what_they_cannot_honour():
-    assert CompletionRequest(model="m", prompt="hi").n == 1
+    assert CompletionRequest(model="m", prompt="hi").prompt == ["hi"]
     for bad in ({"n": 2}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
                 {"stop": [""]}, {"echo": True}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
-                {"presence_penalty": 0.5}, {"tools": [{"type": "function"}]}):
+                {"presence_penalty": 2.5}, {"min_p": 2}, {"logit_bias": {"5": 101}}, {"min_tokens": -1},
+                {"tools": [{"type": "function"}]}):
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     with pytest.raises(ValidationError):
@@ -69,6 +72,66 @@ def test_request_schemas_refuse_what_they_cannot_honour():
         ChatCompletionRequest(model="m", messages=[])
     assert CompletionRequest(model="m", prompt="hi", stop="x").stop == ["x"]
     assert CompletionRequest(model="m", prompt="hi", logprobs=None, best_of=1, presence_penalty=0, user="u")
+
+
+@pytest.fixture(scope="module")
+def schema_api():
+    """The request schemas behind FastAPI with the service's error handlers, without Ray."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest):
+        return request.model_dump()
+
+    @app.post("/v1/chat/completions")
+    def chat(request: ChatCompletionRequest):
+        return request.model_dump()
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_completion_prompt_takes_openais_four_shapes(schema_api, prompt, prompts):
+    r = schema_api.post("/v1/completions", json={"model": "m", "prompt": prompt})
+    assert r.status_code == 200 and r.json()["prompt"] == prompts
+
+
+def test_chat_content_takes_text_parts_joined(schema_api):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    r = schema_api.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200 and r.json()["messages"][0]["content"] == "hello\nworld"
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": [[1], "a"]}, "prompt", "list of token-id lists"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": [3, -1]}, "prompt", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop", "valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "'image_url'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content", "text parts"),
+])
+def test_malformed_shapes_get_a_short_message_naming_the_field(schema_api, path, body, param, words):
+    r = schema_api.post(path, json={"model": "m", **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert error["message"].startswith(f"{param}: ") and "function-after" not in error["message"]
+    assert "Value error" not in error["message"]
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_every_field_not_implemented_is_refused_by_name(schema_api, name, path, body):
+    r = schema_api.post(path, json={"model": "m", **body, name: {"asked": True}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == name and error["message"].startswith(f"{name}: "), error
+    neutral = schema_api.post(path, json={"model": "m", **body, name: UNSUPPORTED[name][-1]})
+    assert neutral.status_code == 200, neutral.text
 
 
 def test_error_bodies_have_openai_shape():
