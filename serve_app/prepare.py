@@ -3,10 +3,10 @@ that can fail here fails as a 400 in OpenAI's shape, before any capacity is rese
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serve_app.errors import context_length_exceeded, invalid_field
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from shadowkv_core import SamplingParams
 
 _FIELD_PREFIX = re.compile(r"^(\w+)")
@@ -18,23 +18,19 @@ class Prepared:
     params: SamplingParams
 
 
-def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    """Tokenize the prompt the way the engine does (`tokenizer(prompt)`), or render the chat template first."""
+def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids: tokenized the way the engine does (`tokenizer(prompt)`), or the chat template
+    rendered first."""
     if isinstance(request, ChatCompletionRequest):
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise invalid_field("messages", "this model ships no chat template; use /v1/completions")
         messages = [m.model_dump() for m in request.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(request.prompt) > 1:
-        raise invalid_field("prompt", f"prompt: a batch of {len(request.prompt)} prompts; this service takes one "
-                                      "prompt per request for now")
-    prompt = request.prompt[0]
-    if isinstance(prompt, list):
-        return list(prompt)  # the engine checks the ids against its vocabulary
-    if tokenizer is None:
+        return [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if any(isinstance(p, str) for p in request.prompt) and tokenizer is None:
         raise invalid_field("prompt", "this model ships no tokenizer; send the prompt as token ids")
-    return tokenizer(prompt)["input_ids"]
+    # token ids: the engine checks them against its vocabulary
+    return [list(p) if isinstance(p, list) else tokenizer(p)["input_ids"] for p in request.prompt]
 
 
 def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int,
@@ -60,10 +56,17 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         raise invalid_field(named.group(1) if named else "request", str(exc)) from exc
 
 
-def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> Prepared:
-    """Blocking (tokenization of a long prompt): the ingress runs it in a worker thread."""
-    token_ids = prompt_token_ids(tokenizer, request)
-    if not token_ids:
-        raise invalid_field("prompt", "the prompt must not be empty")
-    max_tokens = max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens)
-    return Prepared(token_ids, sampling_params(request, max_tokens))
+def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> list[Prepared]:
+    """One Prepared per choice, n per prompt in the prompts' order (OpenAI's choice indices). Blocking
+    (tokenization of a long prompt): the ingress runs it in a worker thread."""
+    num_prompts = len(request.prompt) if isinstance(request, CompletionRequest) else 1
+    if num_prompts * request.n > MAX_CHOICES:
+        raise invalid_field("n", f"n: {num_prompts} prompts × n={request.n} choices; at most {MAX_CHOICES} in all")
+    prepared = []
+    for token_ids in prompt_token_ids(tokenizer, request):
+        if not token_ids:
+            raise invalid_field("prompt", "the prompt must not be empty")
+        params = sampling_params(request, max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens))
+        seeds = [None if params.seed is None else params.seed + j for j in range(request.n)]  # n distinct draws
+        prepared += [Prepared(token_ids, replace(params, seed=seed)) for seed in seeds]
+    return prepared

@@ -17,10 +17,11 @@ from shadowkv_core.engine.text import is_unicode_text
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
+MAX_CHOICES = 16  # prompts of a batch × n: each choice is an engine request of its own
 # OpenAI and vLLM fields not implemented yet that change the answer, with the values that leave it unchanged (all
 # that is accepted for them).
 UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "response_format": (None, {"type": "text"}), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
@@ -106,6 +107,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop: Text | list[Text] | None = Field(default=None, validate_default=True)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

@@ -187,6 +187,44 @@ def test_penalties_and_min_p_answer_as_llm_generate_does(client, llm):
     assert penalised != greedy  # the penalties change this model's greedy answer: the comparison above means something
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gets_one_choice_each_in_order(client, llm, stream):
+    prompts = [PROMPT, "Once upon a time"]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=stream,
+                                    **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(got)
+        texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+        usage = chunks[-1].usage
+    else:
+        texts, usage = [c.text for c in sorted(got.choices, key=lambda c: c.index)], got.usage
+    assert texts == [e.text for e in expected]
+    assert usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert_engine_drains(APP, within_s=2.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_independent_draws_and_the_first_is_the_seeds(client, llm, stream):
+    want = llm.generate([_chat_ids(llm, "hi")], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                                                               ignore_eos=True))[0]
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                         max_tokens=12, temperature=1.0, seed=3, stream=stream,
+                                         extra_body={"ignore_eos": True},
+                                         **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(got)
+        texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                 for i in (0, 1)]
+        usage = chunks[-1].usage
+    else:
+        texts, usage = [c.message.content for c in sorted(got.choices, key=lambda c: c.index)], got.usage
+    assert texts[0] == want.text and texts[1] != texts[0]
+    assert usage.prompt_tokens == len(want.prompt_token_ids) and usage.completion_tokens == 24
+    assert_engine_drains(APP, within_s=2.0)
+
+
 def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
@@ -198,7 +236,8 @@ def test_models_health_metrics(client, url):
 
 
 BAD_REQUESTS = [
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 5, "n": 4}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x"}, 400, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 2040, "max_tokens": 100}, 400, "max_tokens"),
@@ -208,7 +247,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),

@@ -17,7 +17,7 @@ from serve_app.errors import OpenAIError, context_length_exceeded, install_error
 from serve_app.metrics import ServiceMetrics
 from serve_app.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
-from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
+from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
 
@@ -60,7 +60,7 @@ async def _drain(agen):
 
 def test_request_schemas_refuse_what_they_cannot_honour():
     assert CompletionRequest(model="m", prompt="hi").prompt == ["hi"]
-    for bad in ({"n": 2}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
+    for bad in ({"n": 17}, {"n": 0}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
                 {"stop": [""]}, {"echo": True}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
                 {"presence_penalty": 2.5}, {"min_p": 2}, {"logit_bias": {"5": 101}}, {"min_tokens": -1},
                 {"tools": [{"type": "function"}]}):
@@ -185,6 +185,59 @@ def test_sse_stream_sends_an_error_event_then_done():
         yield {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
     lines = asyncio.run(_drain(sse_stream(failing(), ChunkFormatter("completion", "c", "m"), False)))
     assert json.loads(lines[0][6:])["error"]["message"] == "boom" and lines[-1] == SSE_DONE
+
+
+def _two_choices(prompt_tokens=(3, 3)):
+    """Two choices' events merged, their first events already read (as the ingress does)."""
+    streams = [_events(["a", "b", "c"], prompt_tokens[0]), _events(["x"], prompt_tokens[1])]
+
+    async def start():
+        return [await anext(stream) for stream in streams]
+
+    return lambda: merge_after(start, streams)
+
+
+async def merge_after(start, streams):
+    async for event in merge(await start(), streams):
+        yield event
+
+
+def test_merge_tags_each_choices_events_and_closes_every_stream_on_exit():
+    events = asyncio.run(_drain(_two_choices()()))
+    assert sorted((e["index"], e["text"]) for e in events) == [(0, "a"), (0, "b"), (0, "c"), (1, "x")]
+    closed = []
+
+    def stream(name):
+        async def gen():
+            try:
+                for _ in range(100):
+                    yield {"text": name}
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(name)
+        return gen()
+
+    async def first_then_stop():
+        streams = [stream("p"), stream("q")]
+        merged = merge([await anext(s) for s in streams], streams)
+        await anext(merged)
+        await merged.aclose()
+
+    asyncio.run(first_then_stop())
+    assert sorted(closed) == ["p", "q"]
+
+
+def test_several_choices_collect_and_stream_with_one_usage():
+    body = asyncio.run(collect(_two_choices((4, 6))(), "completion", "c", "m", num_choices=2, n=1))
+    assert [(c.index, c.text) for c in body.choices] == [(0, "abc"), (1, "x")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (10, 4)
+    same_prompt = asyncio.run(collect(_two_choices((5, 5))(), "chat", "c", "m", num_choices=2, n=2))
+    assert same_prompt.usage.prompt_tokens == 5 and [c.message.content for c in same_prompt.choices] == ["abc", "x"]
+    lines = asyncio.run(_drain(sse_stream(_two_choices()(), ChunkFormatter("chat", "c", "m"), True, 2, 2)))
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # each choice's role chunk
+    assert [c for c in chunks if c["usage"]] == [chunks[-1]] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert lines[-1] == SSE_DONE
 
 
 def test_collect_builds_one_body_with_usage():
