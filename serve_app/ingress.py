@@ -112,7 +112,8 @@ class Ingress:
                 gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
                 await self._admit(engine_id, gpu, host)
                 events = self._events(engine_id, prepared, gpu, host, arrived)
-                firsts.append(await self._first_event(events))  # on failure it closes `events` itself
+                first = await self._first_event(events)  # on failure it closes `events` itself
+                firsts.append({**first, "text": prepared.echo + first["text"]})
                 streams.append(events)
         except BaseException:
             for events in streams:

@@ -16,7 +16,7 @@ _FIELD_PREFIX = re.compile(r"^(\w+)")
 class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
-
+    echo: str = ""  # text sent before the answer: the prompt, for a completion with echo
 
 def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
     """Each prompt's token ids: tokenized the way the engine does (`tokenizer(prompt)`), or the chat template
@@ -63,10 +63,19 @@ def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> 
     if num_prompts * request.n > MAX_CHOICES:
         raise invalid_field("n", f"n: {num_prompts} prompts × n={request.n} choices; at most {MAX_CHOICES} in all")
     prepared = []
-    for token_ids in prompt_token_ids(tokenizer, request):
+    for token_ids, echo in zip(prompt_token_ids(tokenizer, request), echo_texts(tokenizer, request)):
         if not token_ids:
             raise invalid_field("prompt", "the prompt must not be empty")
         params = sampling_params(request, max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens))
         seeds = [None if params.seed is None else params.seed + j for j in range(request.n)]  # n distinct draws
-        prepared += [Prepared(token_ids, replace(params, seed=seed)) for seed in seeds]
+        prepared += [Prepared(token_ids, replace(params, seed=seed), echo) for seed in seeds]
     return prepared
+
+
+def echo_texts(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """Each prompt's text to send before its answer: the prompt itself with echo (token ids decoded), else ""."""
+    if not getattr(request, "echo", False):
+        return [""] * (len(request.prompt) if isinstance(request, CompletionRequest) else 1)
+    if tokenizer is None and any(isinstance(p, list) for p in request.prompt):
+        raise invalid_field("echo", "echo: this model ships no tokenizer to turn token ids back into text")
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompt]

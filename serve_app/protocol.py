@@ -19,7 +19,7 @@ MAX_STOP_LENGTH = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
 MAX_CHOICES = 16  # prompts of a batch × n: each choice is an engine request of its own
 # OpenAI and vLLM fields not implemented yet that change the answer, with the values that leave it unchanged (all
-# that is accepted for them).
+# that is accepted for them); a request schema that defines one of them honours it.
 UNSUPPORTED = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0), "echo": (None, False),
@@ -118,7 +118,7 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED.items():
-                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
+                if name in data and name not in cls.model_fields and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
                     raise ValueError(f"{name}: not supported by this service (yet); leave it out")
         return data
 
@@ -145,6 +145,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: list[str | list[int]]
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod

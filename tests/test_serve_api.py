@@ -188,6 +188,21 @@ def test_penalties_and_min_p_answer_as_llm_generate_does(client, llm):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_echo_sends_each_prompt_before_its_answer(client, llm, stream):
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
+    ids = list(expected.prompt_token_ids)
+    for prompt, echoed in ((PROMPT, [PROMPT]), ([ids, ids], [llm.tokenizer.decode(ids)] * 2)):
+        got = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6, temperature=0,
+                                        stream=stream)
+        if stream:
+            chunks = list(got)
+            texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(len(echoed))]
+        else:
+            texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+        assert texts == [e + expected.text for e in echoed]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_of_prompts_gets_one_choice_each_in_order(client, llm, stream):
     prompts = [PROMPT, "Once upon a time"]
     expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
