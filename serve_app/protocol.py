@@ -118,7 +118,8 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED.items():
-                if name in data and name not in cls.model_fields and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
+                if name in data and name not in cls.model_fields and not any(
+                        data[name] == v and type(data[name]) is type(v) for v in neutral):
                     raise ValueError(f"{name}: not supported by this service (yet); leave it out")
         return data
 

@@ -1,12 +1,13 @@
 """Sampler: the next token of every sequence of a batch, on the logits' device, in one pass and without a host sync.
 
 First each row's logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
-until min_tokens are out, then its repetition, frequency and presence penalties applied. Greedy rows take the argmax. Sampled rows divide by their temperature, keep the ids at least min_p times as likely as their most likely one, then
-their top-k and then their nucleus (top-p)
-and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a draw from their softmax. The noise is not
-drawn from a generator's stream but hashed from (the request's seed, the token's index in its output, the vocabulary
-id): a request's tokens are the same whichever batch it decodes in, on the CPU and on CUDA, and a step can be sampled
-while the one before it is still running (EngineConfig.async_decode), since no generator state lives on the host.
+until min_tokens are out, then its repetition, frequency and presence penalties applied. Greedy rows take the argmax.
+Sampled rows divide by their temperature, keep the ids at least min_p times as likely as their most likely one, then
+their top-k and then their nucleus (top-p), and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a
+draw from their softmax. The noise is not drawn from a generator's stream but hashed from (the request's seed, the
+token's index in its output, the vocabulary id): a request's tokens are the same whichever batch it decodes in, on the
+CPU and on CUDA, and a step can be sampled while the one before it is still running (EngineConfig.async_decode), since
+no generator state lives on the host.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def mask_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence], index: lis
     if not entries:
         return logits
     rows, tokens = to_device(list(zip(*entries)), torch.int64, logits.device)
-    return logits.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put((rows, tokens), logits.new_full((len(entries),), float("-inf")))
 
 
 def output_counts(seqs: list[Sequence], vocab_size: int, device: torch.device,
@@ -89,7 +90,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.T
     seen = counts > 0
     if entries:
         rows, tokens = to_device(list(zip(*entries)), torch.int64, logits.device)
-        seen = seen.index_put((rows, tokens), torch.tensor(True, device=logits.device))
+        seen = seen.index_put((rows, tokens), seen.new_ones(len(entries)))
     r = floats[0][:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     return logits - floats[1][:, None] * counts - floats[2][:, None] * (counts > 0)
