@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("ray.serve")
 _FIELD_PREFIX = re.compile(r"^(\w+):")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is_instance"}
 
 
 class OpenAIError(Exception):
@@ -60,12 +61,26 @@ def not_ready(reason: str) -> OpenAIError:
                        code="no_replica_ready", headers={"Retry-After": "1"})
 
 
+def _field_path(loc: tuple) -> str | None:
+    """pydantic's error location -> the field's path ("messages.0.content"), without the schema's internals
+    (union members such as `function-after[...]` or `list[int]`, and the type tags pydantic puts beside them)."""
+    parts = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS):
+            parts.append(str(part))
+        else:
+            break
+    return ".".join(parts) or None
+
+
 def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
-    return param, f"{param}: {message}" if param else message
+    param = _field_path(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if param is None:  # a check of the whole body names its field first ("tools: ...")
+        named = _FIELD_PREFIX.match(message)
+        return (named.group(1) if named else None), message
+    return param, f"{param}: {message}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -26,7 +26,7 @@ from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
 from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
-from serve_app.streaming import ChunkFormatter, collect, prepend, raise_if_error, sse_stream
+from serve_app.streaming import ChunkFormatter, collect, merge, raise_if_error, sse_stream
 from serve_app.tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize,
                               tokenize)
 
@@ -119,20 +119,37 @@ class Ingress:
         self._check_model(request.model)
         self.limits.check_request(request)
         self._refuse_early()
-        prepared = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
-                                           self.default_max_tokens)
-        self.limits.check_prompt(len(prepared.prompt_token_ids))
-        gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
-        await self._admit(request_id, gpu, host)
-        events = self._events(request_id, prepared, gpu, host, arrived)
-        first = await self._first_event(events)
-        model = self.info["model"]
+        choices = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
+                                          self.default_max_tokens)
+        for prepared in choices:
+            self.limits.check_prompt(len(prepared.prompt_token_ids))
+        events = await self._start_choices(request_id, choices, arrived)
+        model, count = self.info["model"], len(choices)
         if request.stream:
-            fmt = ChunkFormatter(kind, request_id, model,
-                                 len(prepared.prompt_token_ids) if request.continuous_usage else None)
-            return StreamingResponse(sse_stream(prepend(first, events), fmt, request.include_usage),
+            prompt_tokens = sum(len(p.prompt_token_ids) for p in choices) // request.n
+            fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None)
+            return StreamingResponse(sse_stream(events, fmt, request.include_usage, count, request.n),
                                      media_type="text/event-stream")
-        return await collect(prepend(first, events), kind, request_id, model)
+        return await collect(events, kind, request_id, model, count, request.n)
+
+    async def _start_choices(self, request_id: str, choices: list, arrived: float) -> AsyncIterator[dict]:
+        """Admit each choice as an engine request of its own and wait for its first event; a refusal of any one
+        ends those already started. -> their events merged, tagged with each choice's index."""
+        firsts, streams = [], []
+        try:
+            for i, prepared in enumerate(choices):
+                engine_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
+                gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
+                await self._admit(engine_id, gpu, host)
+                events = self._events(engine_id, prepared, gpu, host, arrived)
+                first = await self._first_event(events)  # on failure it closes `events` itself
+                firsts.append({**first, "text": prepared.echo + first["text"]})
+                streams.append(events)
+        except BaseException:
+            for events in streams:
+                await events.aclose()
+            raise
+        return merge(firsts, streams)
 
     def _refuse_early(self) -> None:
         try:

@@ -3,10 +3,10 @@ that can fail here fails as a 400 in OpenAI's shape, before any capacity is rese
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serve_app.errors import context_length_exceeded, invalid_field
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from shadowkv_core import SamplingParams
 
 _FIELD_PREFIX = re.compile(r"^(\w+)")
@@ -16,21 +16,21 @@ _FIELD_PREFIX = re.compile(r"^(\w+)")
 class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
+    echo: str = ""  # text sent before the answer: the prompt, for a completion with echo
 
-
-def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    """Tokenize the prompt the way the engine does (`tokenizer(prompt)`), or render the chat template first."""
+def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids: tokenized the way the engine does (`tokenizer(prompt)`), or the chat template
+    rendered first."""
     if isinstance(request, ChatCompletionRequest):
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise invalid_field("messages", "this model ships no chat template; use /v1/completions")
         messages = [m.model_dump() for m in request.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if isinstance(request.prompt, list):
-        return list(request.prompt)  # the engine checks the ids against its vocabulary
-    if tokenizer is None:
+        return [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if any(isinstance(p, str) for p in request.prompt) and tokenizer is None:
         raise invalid_field("prompt", "this model ships no tokenizer; send the prompt as token ids")
-    return tokenizer(request.prompt)["input_ids"]
+    # token ids: the engine checks them against its vocabulary
+    return [list(p) if isinstance(p, list) else tokenizer(p)["input_ids"] for p in request.prompt]
 
 
 def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int,
@@ -46,17 +46,36 @@ def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                              top_k=request.top_k, seed=request.seed, stop=list(request.stop),
-                              ignore_eos=request.ignore_eos)
+                              top_k=request.top_k, min_p=request.min_p, seed=request.seed, stop=list(request.stop),
+                              stop_token_ids=list(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
+                              min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
+                              frequency_penalty=request.frequency_penalty,
+                              repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias or {}))
     except ValueError as exc:
         named = _FIELD_PREFIX.match(str(exc))
         raise invalid_field(named.group(1) if named else "request", str(exc)) from exc
 
 
-def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> Prepared:
-    """Blocking (tokenization of a long prompt): the ingress runs it in a worker thread."""
-    token_ids = prompt_token_ids(tokenizer, request)
-    if not token_ids:
-        raise invalid_field("prompt", "the prompt must not be empty")
-    max_tokens = max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens)
-    return Prepared(token_ids, sampling_params(request, max_tokens))
+def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> list[Prepared]:
+    """One Prepared per choice, n per prompt in the prompts' order (OpenAI's choice indices). Blocking
+    (tokenization of a long prompt): the ingress runs it in a worker thread."""
+    num_prompts = len(request.prompt) if isinstance(request, CompletionRequest) else 1
+    if num_prompts * request.n > MAX_CHOICES:
+        raise invalid_field("n", f"n: {num_prompts} prompts × n={request.n} choices; at most {MAX_CHOICES} in all")
+    prepared = []
+    for token_ids, echo in zip(prompt_token_ids(tokenizer, request), echo_texts(tokenizer, request)):
+        if not token_ids:
+            raise invalid_field("prompt", "the prompt must not be empty")
+        params = sampling_params(request, max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens))
+        seeds = [None if params.seed is None else params.seed + j for j in range(request.n)]  # n distinct draws
+        prepared += [Prepared(token_ids, replace(params, seed=seed), echo) for seed in seeds]
+    return prepared
+
+
+def echo_texts(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """Each prompt's text to send before its answer: the prompt itself with echo (token ids decoded), else ""."""
+    if not getattr(request, "echo", False):
+        return [""] * (len(request.prompt) if isinstance(request, CompletionRequest) else 1)
+    if tokenizer is None and any(isinstance(p, list) for p in request.prompt):
+        raise invalid_field("echo", "echo: this model ships no tokenizer to turn token ids back into text")
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompt]

@@ -1,7 +1,8 @@
 """OpenAI API request and response schemas (pydantic), the subset this service implements.
 
-Fields this service does not implement are refused where ignoring them would change the answer (`n` other than 1,
-`logprobs`, `tools`, ...); other unknown fields (`user`, `metadata`, ...) are accepted and ignored.
+Every OpenAI and vLLM request field that would change the answer is either honoured or refused with a 400 naming it
+(`UNSUPPORTED`); fields that change nothing (`user`, `metadata`, `store`, ...) are accepted and ignored. docs/api.md
+lists them all.
 """
 from __future__ import annotations
 
@@ -15,10 +16,25 @@ from shadowkv_core.engine.text import is_unicode_text
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
-# Fields that change the answer, with the values that leave it unchanged (all that is accepted for them).
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
-               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "response_format": (None,),
-               "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0)}
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
+MAX_CHOICES = 16  # prompts of a batch × n: each choice is an engine request of its own
+# OpenAI and vLLM fields not implemented yet that change the answer, with the values that leave it unchanged (all
+# that is accepted for them); a request schema that defines one of them honours it.
+UNSUPPORTED = {
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0), "echo": (None, False),
+    "suffix": (None, ""), "response_format": (None, {"type": "text"}), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,), "structured_outputs": (None,),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,), "prediction": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "add_special_tokens": (None,), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None,), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+}
 
 
 def _unicode_text(text: str) -> str:
@@ -29,6 +45,40 @@ def _unicode_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_list(prompt):
+    """A prompt in any of OpenAI's four shapes -> a list of prompts, each text or token ids (a batch: one choice
+    each), every one checked here so that a refusal names what is wrong rather than a union member's type."""
+    prompts = [prompt] if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)) else prompt
+    if not isinstance(prompts, list) or not prompts or not (
+            all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts)):
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+    for p in prompts:
+        if not p:
+            raise ValueError("a prompt must not be empty")
+        if isinstance(p, str):
+            _unicode_text(p)
+        elif not all(_is_int(t) and t >= 0 for t in p):
+            raise ValueError("token ids must be integers >= 0")
+    return prompts
+
+
+def _content_text(content):
+    """A message's content: a string, or a list of text parts (joined by newlines, as vLLM does)."""
+    if not isinstance(content, list):
+        return content
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"content part of type {kind!r} is not supported; only text parts "
+                             '({"type": "text", "text": ...}) are')
+    return "\n".join(part["text"] for part in content)
 
 
 class StreamOptions(BaseModel):
@@ -47,9 +97,17 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(default=0, ge=0)
     stop: Text | list[Text] | None = Field(default=None, validate_default=True)
-    n: int = 1
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -60,16 +118,10 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED.items():
-                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
-                    raise ValueError(f"{name} is not supported by this service")
+                if name in data and name not in cls.model_fields and not any(
+                        data[name] == v and type(data[name]) is type(v) for v in neutral):
+                    raise ValueError(f"{name}: not supported by this service (yet); leave it out")
         return data
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -93,20 +145,23 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[int] = Field(min_length=1)
+    prompt: list[str | list[int]]
     echo: bool = False
 
-    @field_validator("echo")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    def _prompts(cls, prompt):
+        return _prompt_list(prompt)
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: Text
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _joined(cls, content):
+        return _content_text(content)
 
 
 class ChatCompletionRequest(_SamplingFields):

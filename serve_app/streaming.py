@@ -2,9 +2,11 @@
 
 An engine event is a dict: {"text": new text, "num_new_tokens", "finished", "finish_reason", "prompt_tokens",
 "completion_tokens"}, or {"error": OpenAI error body fields, "status": HTTP status} when the replica refused it.
+A request of several choices (a batch of prompts, n > 1) merges its choices' events, each tagged with its "index".
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator, Literal
 
@@ -34,10 +36,51 @@ def raise_if_error(event: dict) -> None:
                           code=err.get("code"), headers={"Retry-After": "1"} if status in (429, 503) else None)
 
 
-async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    yield first
-    async for event in rest:
-        yield event
+async def merge(firsts: list[dict], streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """Several choices' events, each tagged with its choice's index: first events `firsts` (already read from
+    `streams`), then the rest as they come. On any exit every stream is closed, which cancels its engine request."""
+    pending = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield {**first, "index": index}
+        pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield {**event, "index": index}
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+class ChoiceTotals:
+    """A request's usage over its choices: each prompt counted once (its n choices share it), completion tokens
+    summed."""
+
+    def __init__(self, n: int):
+        self.n, self.prompt, self.completion, self.finished = n, {}, {}, set()
+
+    def add(self, event: dict) -> None:
+        index = event.get("index", 0)
+        self.prompt[index], self.completion[index] = event["prompt_tokens"], event["completion_tokens"]
+        if event["finished"]:
+            self.finished.add(index)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion.values())
+
+    def usage(self) -> Usage:
+        return Usage.of(sum(self.prompt.values()) // self.n, self.completion_tokens)
 
 
 class ChunkFormatter:
@@ -53,22 +96,21 @@ class ChunkFormatter:
     def continuous_usage(self) -> bool:
         return self.usage_prompt_tokens is not None
 
-    def opening(self) -> list[str]:
+    def opening(self, num_choices: int = 1) -> list[str]:
         if self.kind == "chat":
-            choice = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
-            return [sse(self._chat([choice], self._so_far(0)))]
+            return [sse(self._chat([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                                   self._so_far(0))) for i in range(num_choices)]
         return []
 
-    def delta(self, text: str, finish_reason: str | None, completion_tokens: int) -> str:
+    def delta(self, text: str, finish_reason: str | None, completion_tokens: int, index: int = 0) -> str:
         usage = self._so_far(completion_tokens)
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
-            return sse(self._chat([ChatChunkChoice(delta=delta, finish_reason=finish_reason)], usage))
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+            return sse(self._chat([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)], usage))
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
         return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage))
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        usage = Usage.of(prompt_tokens, completion_tokens)
+    def usage(self, usage: Usage) -> str:
         if self.kind == "chat":
             return sse(self._chat([], usage))
         return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage))
@@ -80,37 +122,47 @@ class ChunkFormatter:
         return ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
 
-async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: the chunks, the usage chunk if asked for, then [DONE]; an error mid-stream is sent as an
-    OpenAI error event (the SDK raises it) before [DONE]. A chunk goes out for each event that brings text or ends
-    the stream; with the formatter's continuous usage, also for each that brings tokens without text yet (part of a
-    UTF-8 character, a model without a tokenizer), so that the usage counts every event's tokens when they come."""
-    for line in fmt.opening():
+async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_usage: bool,
+                     num_choices: int = 1, n: int = 1) -> AsyncIterator[str]:
+    """The SSE body: the chunks, the usage chunk if asked for (once every choice has finished), then [DONE]; an
+    error mid-stream is sent as an OpenAI error event (the SDK raises it) before [DONE]. A chunk goes out for each
+    event that brings text or ends its choice; with the formatter's continuous usage, also for each that brings
+    tokens without text yet (part of a UTF-8 character, a model without a tokenizer), so that the usage counts every
+    event's tokens when they come. num_choices: how many choices merge into `events`, n of them per prompt."""
+    totals = ChoiceTotals(n)
+    for line in fmt.opening(num_choices):
         yield line
     try:
         async for event in events:
             raise_if_error(event)
+            totals.add(event)
             if event["text"] or event["finished"] or (fmt.continuous_usage and event["num_new_tokens"]):
-                yield fmt.delta(event["text"], event["finish_reason"], event["completion_tokens"])
-            if event["finished"] and include_usage:
-                yield fmt.usage(event["prompt_tokens"], event["completion_tokens"])
+                yield fmt.delta(event["text"], event["finish_reason"], totals.completion_tokens,
+                                event.get("index", 0))
+            if event["finished"] and include_usage and len(totals.finished) == num_choices:
+                yield fmt.usage(totals.usage())
     except OpenAIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
 
 
-async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str) -> BaseModel:
-    """The whole (non-streaming) response body."""
-    parts, last = [], None
+async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str, num_choices: int = 1,
+                  n: int = 1) -> BaseModel:
+    """The whole (non-streaming) response body: num_choices choices merged into `events`, n of them per prompt."""
+    parts, reasons, totals = [[] for _ in range(num_choices)], [None] * num_choices, ChoiceTotals(n)
     async for event in events:
         raise_if_error(event)
-        parts.append(event["text"])
-        last = event
-    if last is None:
+        index = event.get("index", 0)
+        parts[index].append(event["text"])
+        reasons[index] = event["finish_reason"]
+        totals.add(event)
+    if len(totals.finished) < num_choices:
         raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
-    text, usage = "".join(parts), Usage.of(last["prompt_tokens"], last["completion_tokens"])
+    texts, usage = ["".join(p) for p in parts], totals.usage()
     if kind == "chat":
-        choice = ChatChoice(message=ResponseMessage(content=text), finish_reason=last["finish_reason"])
-        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
-    choice = CompletionChoice(text=text, finish_reason=last["finish_reason"])
-    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
+        choices = [ChatChoice(index=i, message=ResponseMessage(content=text), finish_reason=reason)
+                   for i, (text, reason) in enumerate(zip(texts, reasons))]
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
+               for i, (text, reason) in enumerate(zip(texts, reasons))]
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)

@@ -91,7 +91,7 @@ def test_keys_from_the_environment_and_the_file_both_work_and_are_never_logged(u
 LIMITS = [
     ({"prompt": "x" * 1600}, 400, "prompt_too_long"),
     ({"prompt": "x", "max_tokens": 1025}, 400, "invalid_value"),
-    ({"prompt": "x", "n": 3}, 400, "invalid_value"),
+    ({"prompt": "x", "n": 17}, 400, "invalid_value"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ({"prompt": "x", "stop": "s" * 257}, 400, "invalid_value"),
     ({"prompt": "x" * (65 << 10)}, 413, None),

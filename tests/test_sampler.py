@@ -4,7 +4,7 @@ not depend on its batch."""
 import pytest
 import torch
 
-from shadowkv_core.engine.sampler import sample
+from shadowkv_core.engine.sampler import adjust_logits, in_flight_tokens, sample
 from shadowkv_core.engine.sampling import SamplingParams
 from shadowkv_core.engine.sequence import Sequence
 
@@ -70,6 +70,72 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones():
     assert tokens[0::2].tolist() == logits[0::2].argmax(-1).tolist()
     top5 = logits[1::2].topk(5).indices
     assert all(int(t) in row.tolist() for t, row in zip(tokens[1::2], top5))
+
+
+def test_min_p_keeps_the_ids_at_least_min_p_as_likely_as_the_top():
+    # softmax of LOGITS: 0.434, 0.263, 0.079, 0.039, 0.176, 0.008; min_p 0.3: at least 0.130
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.3))
+    assert torch.allclose(freq, expected(1.0, [0, 1, 4]), atol=0.018), freq
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.3, top_k=2))
+    assert torch.allclose(freq, expected(1.0, [0, 1]), atol=0.018), freq
+
+
+def one_seq(params: SamplingParams, prompt: list[int], output: list[int]) -> Sequence:
+    seq = Sequence(0, "r", prompt, params, 0)
+    seq.output_token_ids = list(output)
+    return seq
+
+
+def test_penalties_follow_vllm_on_hand_made_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    # prompt holds id 1; the output id 2 twice and id 3 once; id 0 and 4 appear nowhere
+    seq = one_seq(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5),
+                  prompt=[1, 1], output=[2, 3, 2])
+    got = adjust_logits(logits, [seq], [3])
+    want = torch.tensor([[2.0, -1.0 * 2.0, 0.5 / 2.0 - 0.25 * 2 - 0.5, 3.0 / 2.0 - 0.25 - 0.5, -2.0]])
+    assert torch.allclose(got, want), (got, want)
+
+
+def test_penalties_count_the_token_in_flight():
+    logits = torch.zeros(2, 4)
+    params = SamplingParams(frequency_penalty=1.0)
+    seqs = [one_seq(params, [0], [1]), one_seq(params, [0], [1])]
+    pending = in_flight_tokens(torch.tensor([3, 1, 2]), [2, -1], seqs)
+    assert pending.tolist() == [2, -1]
+    got = adjust_logits(logits, seqs, [2, 1], pending=pending)
+    assert got.tolist() == [[0.0, -1.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0]]
+    assert in_flight_tokens(torch.tensor([3]), [0], [one_seq(SamplingParams(), [0], [])]) is None
+
+
+def test_logit_bias_and_min_tokens_change_what_greedy_picks():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.5]])
+    biased = one_seq(SamplingParams(temperature=0, logit_bias={3: 10.0, 2: -1.0}), [0], [])
+    assert sample(logits, [biased]).tolist() == [3]
+    # id 2 is the model's end of sequence and id 1 a stop token: both masked for the first 2 tokens only
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1], max_tokens=8)
+    assert sample(logits, [one_seq(params, [0], [])], [0], eos_token_ids=(2,)).tolist() == [3]
+    assert sample(logits, [one_seq(params, [0], [3])], [1], eos_token_ids=(2,)).tolist() == [3]
+    assert sample(logits, [one_seq(params, [0], [3, 3])], [2], eos_token_ids=(2,)).tolist() == [2]
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [one_seq(ignoring, [0], [])], [0], eos_token_ids=(2,)).tolist() == [2]
+
+
+def test_rows_without_adjustments_keep_their_logits_beside_rows_with():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen)
+    seqs = [one_seq(SamplingParams(), [5], [6]), one_seq(SamplingParams(presence_penalty=1.0, logit_bias={7: 2.0}),
+                                                         [5], [6]), one_seq(SamplingParams(min_tokens=1), [5], [])]
+    got = adjust_logits(logits, seqs, [1, 1, 0], eos_token_ids=(9,))
+    assert torch.equal(got[0], logits[0])
+    assert got[1, 6] == logits[1, 6] - 1.0 and got[1, 7] == logits[1, 7] + 2.0
+    assert got[2, 9] == float("-inf") and torch.equal(got[2, :9], logits[2, :9])
+
+
+def test_sampling_params_refuse_out_of_range_fields():
+    for bad in ({"min_p": 1.5}, {"min_tokens": 20, "max_tokens": 10}, {"repetition_penalty": 0},
+                {"presence_penalty": float("nan")}, {"logit_bias": {-1: 1.0}}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
 
 
 @pytest.mark.gpu

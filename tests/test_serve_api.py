@@ -137,6 +137,109 @@ def test_streaming_chat_completion(client, llm):
     assert chunks[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+def test_prompt_shapes_and_text_parts_answer_as_a_plain_string_does(client, llm):
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    ids = list(expected.prompt_token_ids)
+    for prompt in (ids, [PROMPT], [ids]):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == expected.text and got.usage.prompt_tokens == len(ids), prompt
+    chat = _chat_ids(llm, "hello\nworld")
+    want = llm.generate([chat], SamplingParams(max_tokens=6, temperature=0))[0].text
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
+                                         temperature=0)
+    assert got.choices[0].message.content == want and got.usage.prompt_tokens == len(chat)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_min_tokens_and_stop_token_ids_end_to_end(client, llm, stream):
+    """A +100 bias makes greedy pick one id every time; that id as a stop token ends the answer at once, except
+    while min_tokens masks it: then the answer ends right after min_tokens."""
+    token = llm.tokenizer(" fox", add_special_tokens=False)["input_ids"][-1]
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={str(token): 100})
+    cases = [({}, 8, "length"), ({"stop_token_ids": [token]}, 1, "stop"),
+             ({"stop_token_ids": [token], "min_tokens": 3}, 4, "stop")]
+    for extra, num_tokens, reason in cases:
+        if stream:
+            chunks = list(client.completions.create(**common, stream=True, stream_options={"include_usage": True},
+                                                    extra_body=extra))
+            used, finish = chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks
+                                                               if c.choices][-1]
+        else:
+            got = client.completions.create(**common, extra_body=extra)
+            used, finish = got.usage.completion_tokens, got.choices[0].finish_reason
+        assert (used, finish) == (num_tokens, reason), extra
+    got = client.completions.create(**common)
+    assert got.choices[0].text == llm.tokenizer.decode([token] * 8)
+
+
+def test_penalties_and_min_p_answer_as_llm_generate_does(client, llm):
+    fields = dict(repetition_penalty=1.3, frequency_penalty=1.5, presence_penalty=0.5, min_p=0.1)
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0))[0].text
+    for temperature, seed in ((0, None), (1.0, 7)):
+        want = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=temperature, seed=seed,
+                                                     **fields))[0].text
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=temperature,
+                                        seed=seed, frequency_penalty=1.5, presence_penalty=0.5,
+                                        extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
+        assert got.choices[0].text == want
+    penalised = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, **fields))[0].text
+    assert penalised != greedy  # the penalties change this model's greedy answer: the comparison above means something
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_sends_each_prompt_before_its_answer(client, llm, stream):
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
+    ids = list(expected.prompt_token_ids)
+    for prompt, echoed in ((PROMPT, [PROMPT]), ([ids, ids], [llm.tokenizer.decode(ids)] * 2)):
+        got = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6, temperature=0,
+                                        stream=stream)
+        if stream:
+            chunks = list(got)
+            texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(len(echoed))]
+        else:
+            texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+        assert texts == [e + expected.text for e in echoed]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gets_one_choice_each_in_order(client, llm, stream):
+    prompts = [PROMPT, "Once upon a time"]
+    expected = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=stream,
+                                    **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(got)
+        texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+        usage = chunks[-1].usage
+    else:
+        texts, usage = [c.text for c in sorted(got.choices, key=lambda c: c.index)], got.usage
+    assert texts == [e.text for e in expected]
+    assert usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert_engine_drains(APP, within_s=2.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_independent_draws_and_the_first_is_the_seeds(client, llm, stream):
+    want = llm.generate([_chat_ids(llm, "hi")], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                                                               ignore_eos=True))[0]
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                         max_tokens=12, temperature=1.0, seed=3, stream=stream,
+                                         extra_body={"ignore_eos": True},
+                                         **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(got)
+        texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                 for i in (0, 1)]
+        usage = chunks[-1].usage
+    else:
+        texts, usage = [c.message.content for c in sorted(got.choices, key=lambda c: c.index)], got.usage
+    assert texts[0] == want.text and texts[1] != texts[0]
+    assert usage.prompt_tokens == len(want.prompt_token_ids) and usage.completion_tokens == 24
+    assert_engine_drains(APP, within_s=2.0)
+
+
 def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
@@ -148,7 +251,8 @@ def test_models_health_metrics(client, url):
 
 
 BAD_REQUESTS = [
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 5, "n": 4}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x"}, 400, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 2040, "max_tokens": 100}, 400, "max_tokens"),
@@ -156,6 +260,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
 ]
 
 

@@ -6,17 +6,19 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from serve_app.admission import AdmissionGate, CapacityBoard
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
-from serve_app.errors import OpenAIError, context_length_exceeded, over_capacity
+from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
 from serve_app.metrics import ServiceMetrics
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
 from serve_app.security import OPEN_PATHS, GuardSettings, RequestGuard
-from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, sse_stream
+from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.tiny_model import build_tiny_model
 
@@ -58,10 +60,11 @@ async def _drain(agen):
 
 
 def test_request_schemas_refuse_what_they_cannot_honour():
-    assert CompletionRequest(model="m", prompt="hi").n == 1
-    for bad in ({"n": 2}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
-                {"stop": [""]}, {"echo": True}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
-                {"presence_penalty": 0.5}, {"tools": [{"type": "function"}]}):
+    assert CompletionRequest(model="m", prompt="hi").prompt == ["hi"]
+    for bad in ({"n": 17}, {"n": 0}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
+                {"stop": [""]}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
+                {"presence_penalty": 2.5}, {"min_p": 2}, {"logit_bias": {"5": 101}}, {"min_tokens": -1},
+                {"tools": [{"type": "function"}]}):
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     with pytest.raises(ValidationError):
@@ -70,6 +73,68 @@ def test_request_schemas_refuse_what_they_cannot_honour():
         ChatCompletionRequest(model="m", messages=[])
     assert CompletionRequest(model="m", prompt="hi", stop="x").stop == ["x"]
     assert CompletionRequest(model="m", prompt="hi", logprobs=None, best_of=1, presence_penalty=0, user="u")
+
+
+@pytest.fixture(scope="module")
+def schema_api():
+    """The request schemas behind FastAPI with the service's error handlers, without Ray."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest):
+        return request.model_dump()
+
+    @app.post("/v1/chat/completions")
+    def chat(request: ChatCompletionRequest):
+        return request.model_dump()
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_completion_prompt_takes_openais_four_shapes(schema_api, prompt, prompts):
+    r = schema_api.post("/v1/completions", json={"model": "m", "prompt": prompt})
+    assert r.status_code == 200 and r.json()["prompt"] == prompts
+
+
+def test_chat_content_takes_text_parts_joined(schema_api):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    r = schema_api.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200 and r.json()["messages"][0]["content"] == "hello\nworld"
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": [[1], "a"]}, "prompt", "list of token-id lists"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": [3, -1]}, "prompt", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop", "valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "'image_url'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content", "text parts"),
+])
+def test_malformed_shapes_get_a_short_message_naming_the_field(schema_api, path, body, param, words):
+    r = schema_api.post(path, json={"model": "m", **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert error["message"].startswith(f"{param}: ") and "function-after" not in error["message"]
+    assert "Value error" not in error["message"]
+
+
+@pytest.mark.parametrize("path, body, name", [
+    (path, body, name) for path, body, schema in [
+        ("/v1/completions", {"prompt": "x"}, CompletionRequest),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, ChatCompletionRequest)]
+    for name in sorted(UNSUPPORTED) if name not in schema.model_fields])
+def test_every_field_not_implemented_is_refused_by_name(schema_api, path, body, name):
+    r = schema_api.post(path, json={"model": "m", **body, name: {"asked": True}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == name and error["message"].startswith(f"{name}: "), error
+    neutral = schema_api.post(path, json={"model": "m", **body, name: UNSUPPORTED[name][-1]})
+    assert neutral.status_code == 200, neutral.text
 
 
 def test_error_bodies_have_openai_shape():
@@ -123,6 +188,59 @@ def test_sse_stream_sends_an_error_event_then_done():
         yield {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
     lines = asyncio.run(_drain(sse_stream(failing(), ChunkFormatter("completion", "c", "m"), False)))
     assert json.loads(lines[0][6:])["error"]["message"] == "boom" and lines[-1] == SSE_DONE
+
+
+def _two_choices(prompt_tokens=(3, 3)):
+    """Two choices' events merged, their first events already read (as the ingress does)."""
+    streams = [_events(["a", "b", "c"], prompt_tokens[0]), _events(["x"], prompt_tokens[1])]
+
+    async def start():
+        return [await anext(stream) for stream in streams]
+
+    return lambda: merge_after(start, streams)
+
+
+async def merge_after(start, streams):
+    async for event in merge(await start(), streams):
+        yield event
+
+
+def test_merge_tags_each_choices_events_and_closes_every_stream_on_exit():
+    events = asyncio.run(_drain(_two_choices()()))
+    assert sorted((e["index"], e["text"]) for e in events) == [(0, "a"), (0, "b"), (0, "c"), (1, "x")]
+    closed = []
+
+    def stream(name):
+        async def gen():
+            try:
+                for _ in range(100):
+                    yield {"text": name}
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(name)
+        return gen()
+
+    async def first_then_stop():
+        streams = [stream("p"), stream("q")]
+        merged = merge([await anext(s) for s in streams], streams)
+        await anext(merged)
+        await merged.aclose()
+
+    asyncio.run(first_then_stop())
+    assert sorted(closed) == ["p", "q"]
+
+
+def test_several_choices_collect_and_stream_with_one_usage():
+    body = asyncio.run(collect(_two_choices((4, 6))(), "completion", "c", "m", num_choices=2, n=1))
+    assert [(c.index, c.text) for c in body.choices] == [(0, "abc"), (1, "x")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (10, 4)
+    same_prompt = asyncio.run(collect(_two_choices((5, 5))(), "chat", "c", "m", num_choices=2, n=2))
+    assert same_prompt.usage.prompt_tokens == 5 and [c.message.content for c in same_prompt.choices] == ["abc", "x"]
+    lines = asyncio.run(_drain(sse_stream(_two_choices()(), ChunkFormatter("chat", "c", "m"), True, 2, 2)))
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # each choice's role chunk
+    assert [c for c in chunks if c["usage"]] == [chunks[-1]] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert lines[-1] == SSE_DONE
 
 
 def test_collect_builds_one_body_with_usage():

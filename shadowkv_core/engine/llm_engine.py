@@ -14,7 +14,7 @@ from ..shadowkv.hybrid import HybridCache
 from ..transfers import Readback
 from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
-from .sampler import sample
+from .sampler import in_flight_tokens, sample
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -44,6 +44,7 @@ class LLMEngine:
         self.text = TextProcessor(self.tokenizer)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)
+        self.eos_ids = tuple(sorted(self.eos_token_ids))  # the sampler's mask under min_tokens
         self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
                                  self.model.rotary, self.max_model_len)
         cuda = self.device.type == "cuda"
@@ -85,6 +86,9 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {self.spec.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            if any(t >= self.spec.vocab_size for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {self.spec.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room under max_model_len "
                              f"({self.max_model_len})")
@@ -218,7 +222,7 @@ class LLMEngine:
         still to run) produces nothing yet."""
         try:
             logits = forward(seqs)
-            tokens = None if logits is None else sample(logits, seqs).tolist()
+            tokens = None if logits is None else sample(logits, seqs, eos_token_ids=self.eos_ids).tolist()
         except Exception as exc:
             self._fail(seqs, exc)
             return [seq.output(0) for seq in seqs]
@@ -238,7 +242,8 @@ class LLMEngine:
         index = [len(seq.output_token_ids) + (row >= 0) for seq, row in zip(seqs, rows or [-1] * len(seqs))]
         try:
             logits = self.runner.decode(seqs, None if prev is None else prev.tokens, rows)
-            tokens = sample(logits, seqs, index)
+            pending = None if prev is None else in_flight_tokens(prev.tokens, rows, seqs)
+            tokens = sample(logits, seqs, index, self.eos_ids, pending)
         except Exception as exc:
             self._fail(seqs, exc)  # while `prev` is in flight: the caches it uses are freed once it is read back
             self.in_flight = None

@@ -1,10 +1,13 @@
 """Sampler: the next token of every sequence of a batch, on the logits' device, in one pass and without a host sync.
 
-Greedy rows take the argmax. Sampled rows divide by their temperature, keep their top-k and then their nucleus (top-p)
-and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a draw from their softmax. The noise is not
-drawn from a generator's stream but hashed from (the request's seed, the token's index in its output, the vocabulary
-id): a request's tokens are the same whichever batch it decodes in, on the CPU and on CUDA, and a step can be sampled
-while the one before it is still running (EngineConfig.async_decode), since no generator state lives on the host.
+First each row's logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
+until min_tokens are out, then its repetition, frequency and presence penalties applied. Greedy rows take the argmax.
+Sampled rows divide by their temperature, keep the ids at least min_p times as likely as their most likely one, then
+their top-k and then their nucleus (top-p), and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a
+draw from their softmax. The noise is not drawn from a generator's stream but hashed from (the request's seed, the
+token's index in its output, the vocabulary id): a request's tokens are the same whichever batch it decodes in, on the
+CPU and on CUDA, and a step can be sampled while the one before it is still running (EngineConfig.async_decode), since
+no generator state lives on the host.
 """
 from __future__ import annotations
 
@@ -37,6 +40,87 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (B, V) + each row's logit_bias {token id: bias}."""
+    entries = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.params.logit_bias.items()]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries)
+    index = to_device([rows, tokens], torch.int64, logits.device)
+    values = to_device(list(biases), torch.float32, logits.device)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def mask_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence], index: list[int],
+                          eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """logits (B, V) with the ids that would end each row (stop_token_ids, and end-of-sequence unless ignore_eos)
+    at -inf while the row's output is shorter than its min_tokens."""
+    entries = [(row, token) for row, (seq, i) in enumerate(zip(seqs, index)) if i < seq.params.min_tokens
+               for token in (*seq.params.stop_token_ids, *(() if seq.params.ignore_eos else eos_token_ids))]
+    if not entries:
+        return logits
+    rows, tokens = to_device(list(zip(*entries)), torch.int64, logits.device)
+    return logits.index_put((rows, tokens), logits.new_full((len(entries),), float("-inf")))
+
+
+def output_counts(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                  pending: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) float32: how often each id occurs in each row's output, counting `pending` ((B,) int64, the token each
+    row has in flight under async decode; -1: none)."""
+    counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
+    entries = [(row, token) for row, seq in enumerate(seqs) for token in seq.output_token_ids]
+    if entries:
+        rows, tokens = to_device(list(zip(*entries)), torch.int64, device)
+        counts.index_put_((rows, tokens), torch.ones(len(entries), device=device), accumulate=True)
+    if pending is not None:
+        counts.scatter_add_(1, pending.clamp(min=0)[:, None], (pending >= 0).float()[:, None])
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's penalties on logits (B, V): repetition_penalty r divides positive (multiplies negative) logits of ids
+    in the prompt or the output; then frequency_penalty × the id's count and presence_penalty × (count > 0), over
+    the output only, are subtracted."""
+    B, V = logits.shape
+    counts = output_counts(seqs, V, logits.device, pending)
+    floats = to_device([[seq.params.repetition_penalty for seq in seqs], [seq.params.frequency_penalty for seq in seqs],
+                        [seq.params.presence_penalty for seq in seqs]], torch.float32, logits.device)
+    entries = [(row, token) for row, seq in enumerate(seqs) if seq.params.repetition_penalty != 1
+               for token in seq.prompt_token_ids]
+    seen = counts > 0
+    if entries:
+        rows, tokens = to_device(list(zip(*entries)), torch.int64, logits.device)
+        seen = seen.index_put((rows, tokens), seen.new_ones(len(entries)))
+    r = floats[0][:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - floats[1][:, None] * counts - floats[2][:, None] * (counts > 0)
+
+
+def in_flight_tokens(tokens: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> torch.Tensor | None:
+    """(B,) int64: each of `seqs`' token in flight, tokens[rows[i]] (rows[i] -1: none), for the penalties; None when
+    no row has penalties (nothing to count)."""
+    if not any(seq.params.has_penalties for seq in seqs):
+        return None
+    at = to_device(rows, torch.int64, tokens.device)
+    return torch.where(at >= 0, tokens[at.clamp(min=0)], -1)
+
+
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], index: list[int], eos_token_ids: tuple[int, ...] = (),
+                  pending: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) float32 after each row's logit_bias, min_tokens mask and penalties (the order vLLM applies
+    them in); the same tensor when no row asks for any."""
+    logits = mask_until_min_tokens(add_logit_bias(logits, seqs), seqs, index, eos_token_ids)
+    if any(seq.params.has_penalties for seq in seqs):
+        logits = apply_penalties(logits, seqs, pending)
+    return logits
+
+
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) with every id less likely than min_p (B,) times the row's most likely id set to -inf."""
+    floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None])
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_k: int,
                        any_top_p: bool) -> torch.Tensor:
     """logits (B, V) float32 with every id outside each row's top-k (top_k (B,), 0: off) and then outside its nucleus
@@ -53,20 +137,26 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], token_index: list[int] | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], token_index: list[int] | None = None,
+           eos_token_ids: tuple[int, ...] = (), pending: torch.Tensor | None = None) -> torch.Tensor:
     """logits (B, V) float32, one row per sequence in `seqs` order -> (B,) int64 tokens on the logits' device.
-    token_index[i]: the index in its output of the token drawn for seqs[i] (default: its output's length)."""
+    token_index[i]: the index in its output of the token drawn for seqs[i] (default: its output's length).
+    eos_token_ids: the model's end-of-sequence ids (masked under min_tokens). pending (B,) int64: the token each row
+    has in flight and not yet in its output (async decode; -1: none), counted by the penalties."""
+    index = token_index or [len(seq.output_token_ids) for seq in seqs]
+    logits = adjust_logits(logits, seqs, index, eos_token_ids, pending)
     if all(seq.params.is_greedy for seq in seqs):
         return logits.argmax(dim=-1)
     B, V = logits.shape
-    index = token_index or [len(seq.output_token_ids) for seq in seqs]
     params = [seq.params for seq in seqs]
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
     ints = to_device([[seq.seed & _U32 for seq in seqs], [seq.seed >> 32 & _U32 for seq in seqs], index, top_k],
                      torch.int64, logits.device)
     floats = to_device([[p.temperature or 1.0 for p in params], [p.top_p for p in params],
-                        [float(p.is_greedy) for p in params]], torch.float32, logits.device)
-    scaled = filter_top_k_top_p(logits / floats[0][:, None], ints[3], floats[1], max(top_k),
-                                any(p.top_p < 1 for p in params))
+                        [float(p.is_greedy) for p in params], [p.min_p for p in params]], torch.float32, logits.device)
+    scaled = logits / floats[0][:, None]
+    if any(p.min_p > 0 for p in params):
+        scaled = filter_min_p(scaled, floats[3])
+    scaled = filter_top_k_top_p(scaled, ints[3], floats[1], max(top_k), any(p.top_p < 1 for p in params))
     drawn = (scaled + gumbel_noise(ints[:3].T, V)).argmax(dim=-1)
     return torch.where(floats[2] > 0, logits.argmax(dim=-1), drawn)

@@ -14,11 +14,20 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens: tokens to generate at most. temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those
-    filters. seed makes a sampled request reproducible. stop: strings that end the output (not included in it);
-    stop_token_ids: extra token ids that end it. ignore_eos: keep going past the model's end-of-sequence token."""
+    """max_tokens: tokens to generate at most. temperature 0 is greedy. top_k 0 (or -1), top_p 1 and min_p 0 disable
+    those filters; min_p drops ids less likely than min_p times the most likely one. seed makes a sampled request
+    reproducible. stop: strings that end the output (not included in it); stop_token_ids: extra token ids that end it.
+    ignore_eos: keep going past the model's end-of-sequence token. min_tokens: the end-of-sequence and stop token ids
+    are masked until that many tokens are out. Penalties, as vLLM applies them: presence_penalty and
+    frequency_penalty subtract from the logits of ids in the output (once, and per occurrence); repetition_penalty
+    divides positive (multiplies negative) logits of ids in the prompt or the output. logit_bias: {token id: bias}
+    added to the logits."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -28,6 +37,12 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -40,6 +55,15 @@ class SamplingParams:
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(_is_number(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be a number > 0, got {self.repetition_penalty!r}")
+        _check(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in dict(self.logit_bias).items()), "logit_bias",
+               "must map token ids (integers >= 0) to finite numbers")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)
@@ -50,3 +74,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
