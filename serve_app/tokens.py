@@ -2,7 +2,7 @@
 to the token ids the engine would see, and token ids back to text."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.errors import invalid_field
 from serve_app.prepare import prompt_token_ids
@@ -14,7 +14,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # as a chat completion takes them
     add_special_tokens: bool = True  # prompts only: chat templates place their own
 
     @model_validator(mode="after")
@@ -45,7 +45,8 @@ class DetokenizeResponse(BaseModel):
 def tokenize(tokenizer, request: TokenizeRequest, model: str) -> list[int]:
     """Blocking (a long prompt): the ingress runs it in a worker thread."""
     if request.messages is not None:
-        return prompt_token_ids(tokenizer, ChatCompletionRequest(model=model, messages=request.messages))
+        (ids,) = prompt_token_ids(tokenizer, ChatCompletionRequest(model=model, messages=request.messages))
+        return ids
     if tokenizer is None:
         raise invalid_field("prompt", "this model ships no tokenizer")
     return tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)["input_ids"]

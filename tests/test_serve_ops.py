@@ -99,12 +99,17 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(served):
     body = r.json()
     assert body["tokens"] == tokenizer("The quick brown fox")["input_ids"]
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
+    chat = [{"role": "user", "content": "The quick brown fox"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": chat})  # the chat template's rendering, as chat sends it
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     plain = httpx.post(f"{url}/tokenize", json={"prompt": "The quick brown fox", "add_special_tokens": False})
     assert plain.json()["tokens"] == tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
     r = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": plain.json()["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": "The quick brown fox"}
     for path, body, param in (("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None),
+                              ("/tokenize", {"messages": []}, "messages"),
                               ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")):
         r = httpx.post(f"{url}{path}", json=body)
         assert r.status_code in (400, 404) and set(r.json()["error"]) == {"message", "type", "param", "code"}
