@@ -24,7 +24,7 @@ from ..config import AUTO, choose
 class CacheSpec:
     """What a cache is built for: the model's attention geometry, in one dtype on one device. prefill_chunk_tokens:
     queries attended at once in a prefill (bounds the score matrix). use_kernels: decode on the Triton kernels; "auto"
-    does on CUDA, for heads the kernels take."""
+    does on CUDA, for heads the kernels take. kv_cache_dtype: the dense cache's, "auto" (dtype) or "fp8"."""
 
     num_layers: int
     num_q_heads: int
@@ -35,6 +35,7 @@ class CacheSpec:
     device: torch.device | str = "cpu"
     prefill_chunk_tokens: int = 8192
     use_kernels: bool | str = AUTO
+    kv_cache_dtype: str = AUTO
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -44,10 +45,10 @@ class CacheSpec:
 
     @classmethod
     def of(cls, spec, dtype: torch.dtype, device: torch.device | str, prefill_chunk_tokens: int = 8192,
-           use_kernels: bool | str = AUTO) -> CacheSpec:
+           use_kernels: bool | str = AUTO, kv_cache_dtype: str = AUTO) -> CacheSpec:
         """From a model's ModelSpec."""
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
-                   device, prefill_chunk_tokens, use_kernels)
+                   device, prefill_chunk_tokens, use_kernels, kv_cache_dtype)
 
     @property
     def kernels(self) -> bool:
