@@ -42,7 +42,8 @@ def _segment_offsets(t, start, n, stride_t, table_ptr, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_ptr, lens1_ptr, lens2_ptr,
-                  ks_ptr, vs_ptr, table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits, split_tokens,
+                  ks_ptr, vs_ptr, table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits,
+                  split_tokens,
                   stride_qb, stride_0n, stride_0h, stride_0t, stride_1n, stride_1h, stride_1t,
                   stride_2n, stride_2h, stride_2t, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
