@@ -39,27 +39,35 @@ def random_qkv(t):
     return torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
 
 
-@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
-def test_ragged_prefill_then_decode_matches_full_attention(use_kernels):
-    torch.manual_seed(0)
-    cache = make_cache(use_kernels=use_kernels)
+def ragged_forwards(cache, steps):
+    """Prefill sequences of 7, 3 and 11 tokens, then one forward per entry of `steps` (new tokens of each sequence; a
+    prefill over cached blocks where more than one); yields (step, seq_id, q, out, keys, values) of each sequence per
+    forward, keys and values every one it was given, exact."""
     lens = [7, 3, 11]
     for i, n in enumerate(lens):
-        cache.manager.allocate(i, n, 6)
+        cache.manager.allocate(i, n, sum(new[i] for new in steps))
     history = {i: ([], []) for i in range(len(lens))}  # layer-0 keys and values per sequence
-    meta = AttentionMetadata(True, [0, 1, 2], lens, [0, 0, 0], torch.cat([torch.arange(n) for n in lens]))
-    for step in range(6):
-        q, k_pre, k_rot, v = random_qkv(sum(meta.query_lens))
+    for step, new in enumerate([lens, *steps]):
+        ctx = [cache.manager.lengths[s] for s in range(len(lens))]
+        meta = AttentionMetadata(max(new) > 1, [0, 1, 2], new, ctx,
+                                 torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new)]))
+        q, k_pre, k_rot, v = random_qkv(sum(new))
         out = cache.attend(0, q, k_pre, k_rot, v, meta)
         for start, n, sid in zip(meta.query_starts, meta.query_lens, meta.seq_ids):
             history[sid][0].append(k_rot[start:start + n])
             history[sid][1].append(v[start:start + n])
-            keys, values = torch.cat(history[sid][0]), torch.cat(history[sid][1])
-            want = attention_ref(q[start:start + n], keys, values, D ** -0.5, causal=True)
-            torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+            yield (step, sid, q[start:start + n], out[start:start + n], torch.cat(history[sid][0]),
+                   torch.cat(history[sid][1]))
         cache.finish_forward(meta)
-        ctx = [cache.manager.lengths[s] for s in range(3)]
-        meta = AttentionMetadata(False, [0, 1, 2], [1, 1, 1], ctx, torch.tensor(ctx))
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
+def test_ragged_prefill_then_decode_matches_full_attention(use_kernels):
+    torch.manual_seed(0)
+    cache = make_cache(use_kernels=use_kernels)
+    for _, _, q, out, keys, values in ragged_forwards(cache, [[1, 1, 1]] * 5):
+        want = attention_ref(q, keys, values, D ** -0.5, causal=True)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
@@ -70,35 +78,17 @@ def test_fp8_cache_attends_within_e4m3_error_of_full_attention(use_kernels):
     of each token."""
     torch.manual_seed(0)
     cache = make_cache(use_kernels=use_kernels, kv_cache_dtype="fp8")
-    lens = [7, 3, 11]
-    for i, n in enumerate(lens):
-        cache.manager.allocate(i, n, 8)
-    history = {i: ([], []) for i in range(len(lens))}
-    meta = AttentionMetadata(True, [0, 1, 2], lens, [0, 0, 0], torch.cat([torch.arange(n) for n in lens]))
-    for step in range(6):
-        q, k_pre, k_rot, v = random_qkv(sum(meta.query_lens))
-        out = cache.attend(0, q, k_pre, k_rot, v, meta)
-        for start, n, sid in zip(meta.query_starts, meta.query_lens, meta.seq_ids):
-            history[sid][0].append(k_rot[start:start + n])
-            history[sid][1].append(v[start:start + n])
-            keys, values = torch.cat(history[sid][0]), torch.cat(history[sid][1])
-            want = attention_ref(q[start:start + n], keys, values, D ** -0.5, causal=True)
-            err = (out[start:start + n] - want).abs().max().item()
-            assert err <= fp8_attention_bound(q[start:start + n], keys, values), (step, sid, err)
-            if step:  # read back from the cache: exactly attention over the e4m3-rounded keys and values
-                rounded = [dequantize_tokens(*quantize_values(x, 1), torch.float32) for x in (keys, values)]
-                torch.testing.assert_close(out[start:start + n], attention_ref(q[start:start + n], *rounded,
-                                                                              D ** -0.5, causal=True),
-                                           atol=1e-5, rtol=1e-5)
-        cache.finish_forward(meta)
-        ctx = [cache.manager.lengths[s] for s in range(3)]
-        new = [3, 2, 1] if step == 0 else [1, 1, 1]
-        meta = AttentionMetadata(step == 0, [0, 1, 2], new, ctx, torch.cat([torch.arange(c, c + n)
-                                                                          for c, n in zip(ctx, new)]))
-    for sid, (ks, vs) in history.items():
+    given = {}
+    for step, sid, q, out, keys, values in ragged_forwards(cache, [[3, 2, 1]] + [[1, 1, 1]] * 4):
+        err = (out - attention_ref(q, keys, values, D ** -0.5, causal=True)).abs().max().item()
+        assert err <= fp8_attention_bound(q, keys, values), (step, err)
+        if step:  # read back from the cache: exactly attention over the e4m3-rounded keys and values
+            rounded = [dequantize_tokens(*quantize_values(x, 1), torch.float32) for x in (keys, values)]
+            torch.testing.assert_close(out, attention_ref(q, *rounded, D ** -0.5, causal=True), atol=1e-5, rtol=1e-5)
+        given[sid] = keys, values
+    for sid, (keys, values) in given.items():
         rows = cache.manager.token_rows(sid, 0, cache.manager.lengths[sid])
-        for kept, scales, exact in ((cache.k, cache.k_scales, ks), (cache.v, cache.v_scales, vs)):
-            exact = torch.cat(exact)
+        for kept, scales, exact in ((cache.k, cache.k_scales, keys), (cache.v, cache.v_scales, values)):
             held = dequantize_tokens(kept[0, rows], scales[0, rows], torch.float32)
             assert ((held - exact).abs() <= e4m3_error(exact) + 1e-7).all()
 
