@@ -12,11 +12,13 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
     PYTHONPATH=. python -m benchmarks.throughput [--contexts 32768 61440 122880] [--methods dense shadowkv hf]
     (as a module: run as a script, benchmarks/kernels.py would shadow the kernels package)
 
-Methods (METHODS): dense, shadowkv, shadowkv_fp8 (fp8 host values), shadowkv_fp8lm (fp8 values and fp8 landmarks,
-ShadowKVConfig.landmark_format), shadowkv[_fp8|_fp8lm][_tiered][_pipelined]
+Methods (METHODS): dense, dense_fp8 (EngineConfig.kv_cache_dtype fp8), shadowkv, shadowkv_fp8 (fp8 host values),
+shadowkv_fp8lm (fp8 values and fp8 landmarks, ShadowKVConfig.landmark_format),
+shadowkv[_fp8|_fp8lm][_tiered][_pipelined]
 (_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
 run's memory, so the device memory a host-bound batch leaves over holds values; _pipelined: Decoder.forward_halves),
-hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the faster of the two); each
+hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the faster of the two, and the ratios
+to dense the faster of dense and dense_fp8); each
 engine method with the suffix _eager runs without CUDA graphs, and with _sync without async decode
 (EngineConfig.async_decode), at the batches that compare with it (8 and its largest).
 """
@@ -43,7 +45,7 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, model_spec, write_config
 from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
 
-ENGINE_METHODS = ("dense", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
+ENGINE_METHODS = ("dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
                   "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined")
 SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
@@ -76,13 +78,19 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = base.removesuffix("_pipelined")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
-    shadow = {"dense": None, "hf": None, "hf_static": None, "shadowkv": cfg,
+    shadow = {"dense": None, "dense_fp8": None, "hf": None, "hf_static": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
               "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
     if shadow is not None:
         shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
-                    "pipeline_min_batch": 2, "async_decode": False if sync else "auto"}
+                    "pipeline_min_batch": 2, "async_decode": False if sync else "auto",
+                    "kv_cache_dtype": "fp8" if base == "dense_fp8" else "auto"}
+
+
+def method_geometry(g: mm.Geometry, method: str) -> mm.Geometry:
+    """The geometry the memory model sizes a method's engine by: its dense cache's kv_cache_dtype."""
+    return dataclasses.replace(g, kv_cache_dtype=method_setup(method, ShadowKVConfig())[1]["kv_cache_dtype"])
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
@@ -178,7 +186,7 @@ def row_for(run: dict, method: str, batch: int, times: list[float], ttft: float,
 
 def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int]) -> list[dict]:
     """Prefill one prompt, clone it up the batch sweep, time decode at each batch (and profile where asked)."""
-    g, context, device, args = run["geometry"], run["context"], run["device_kind"], run["args"]
+    g, context, device, args = method_geometry(run["geometry"], method), run["context"], run["device_kind"], run["args"]
     cfg, options = method_setup(method, run["shadowkv"], run["tier_share"])
     engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
     try:
@@ -270,7 +278,11 @@ def summarize(rows: list[dict], copy_bps: float, geometries: dict) -> list[dict]
             s[f"{method}_batch"], s[f"{method}_tok_s"] = r["batch"], r["decode_tok_s"]
             if r.get("device_value_share"):  # a _tiered method swept over shares: the share of its best row
                 s[f"{method}_device_value_share"] = r["device_value_share"]
-        sk, dense = best.get("shadowkv"), best.get("dense")
+        sk = best.get("shadowkv")
+        dense = max((best[m] for m in ("dense", "dense_fp8") if m in best), key=lambda r: r["decode_tok_s"],
+                    default=None)
+        if dense:
+            s["dense_method"] = dense["method"]
         hf = max((best[m] for m in ("hf", "hf_static") if m in best), key=lambda r: r["decode_tok_s"], default=None)
         fastest = max((r for m, r in best.items() if m.startswith("shadowkv") and not m.endswith("_eager")),
                       key=lambda r: r["decode_tok_s"], default=None)
@@ -370,11 +382,12 @@ def merge_decode_step(path: Path, rows: list[dict], context: int = 122880, batch
 
 
 def plan(method: str, dense_max: int, own_max: int) -> tuple[list[int], set[int]]:
-    """Batches to time and those to profile: dense and HF up to their largest batch; ShadowKV's up to their own,
-    through the dense largest batch and 8 (issue 5's decode step); an _eager method at 8 and its largest only."""
+    """Batches to time and those to profile: dense and HF up to their largest batch; ShadowKV's and dense_fp8 up to
+    their own, through the dense largest batch and 8 (issue 5's decode step); an _eager method at 8 and its largest
+    only."""
     if method.endswith("_eager"):
         return sorted({min(8, own_max), own_max}), set()
-    if method.startswith("shadowkv"):
+    if method.startswith(("shadowkv", "dense_fp8")):
         return sweep_batches(own_max, dense_max, 8), {dense_max, own_max, 8} - {0}
     return sweep_batches(dense_max), {dense_max} if method == "dense" else set()
 
@@ -445,8 +458,9 @@ def main(argv: list[str] | None = None) -> dict:
              for share in (args.tier_share if "_tiered" in m else [None])]
     for context, method, share in progress(tasks):
         tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, share)
-        dense_max, own_max = (min(mm.capacity(g, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
-                              for c in (None, method_setup(method, cfg, tier_share)[0]))
+        sized = ((g, None), (method_geometry(g, method), method_setup(method, cfg, tier_share)[0]))
+        dense_max, own_max = (min(mm.capacity(geom, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
+                              for geom, c in sized)
         batches, profile_at = plan(method, dense_max, own_max)
         run = dict(device=device_name, model=args.model, context=context, geometry=g, shadowkv=cfg, args=args,
                    tier_share=tier_share,

@@ -12,6 +12,9 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
                     rows slot_ids[b]; lens (B,) int32 keys of each sequence in the segment (a prefix of T_i).
                     A window stored (N, E, Hkv, d) is passed as its .transpose(1, 2); a dense pool (rows, Hkv, d)
                     as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
+  scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment): strides
+                    k's divided by d (a dense pool's (rows, Hkv) scales as .T[None]); a key is its e4m3 value times
+                    its scale, in fp32, rounded once to q's dtype
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
@@ -39,12 +42,13 @@ def _segment_offsets(t, start, n, stride_t, table_ptr, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_ptr, lens1_ptr, lens2_ptr,
-                  table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits, split_tokens,
+                  ks_ptr, vs_ptr, table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits,
+                  split_tokens,
                   stride_qb, stride_0n, stride_0h, stride_0t, stride_1n, stride_1h, stride_1t,
                   stride_2n, stride_2h, stride_2t, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -71,6 +75,10 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
         v_rows = tl.where(in0, v0_ptr + base0 + off0, tl.where(in1, v1_ptr + base1 + off1, v2_ptr + base2 + off2))
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if FP8:  # segment 0 only: its scale rows sit at its key offsets over HEAD_DIM
+            s_rows = (base0 + off0) // HEAD_DIM
+            k = (k.to(tl.float32) * tl.load(ks_ptr + s_rows, mask=valid, other=0.0)[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(vs_ptr + s_rows, mask=valid, other=0.0)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -106,21 +114,32 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, str
 
 def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
-                     page_size: int = 0, block_n: int = 64, split_tokens: int | None = None) -> torch.Tensor:
+                     page_size: int = 0, block_n: int = 64, split_tokens: int | None = None,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
     split_tokens (a multiple of block_n): keys per split; by default enough splits for a few programs per SM."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
     assert slot_ids.shape == (B,) and slot_ids.dtype == torch.int32
+    kv_dtype = q.dtype if scales is None else torch.float8_e4m3fn
     for k, v, lens in segments:
         assert k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride() and k.stride(3) == 1, k.shape
-        assert k.shape[3] == d and Hq % k.shape[1] == 0 and k.dtype == v.dtype == q.dtype
+        assert k.shape[3] == d and Hq % k.shape[1] == 0 and k.dtype == v.dtype == kv_dtype
         assert lens.shape == (B,) and lens.dtype == torch.int32
     assert (page_table is None) == (page_size == 0)
     if page_table is None:
         page_table = slot_ids  # never read
     assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+    if scales is None:
+        unused = torch.empty(1, dtype=torch.float32, device=q.device)
+        scales = (unused, unused)
+    else:
+        pool = segments[0][0]
+        assert len(segments) == 1, "fp8 keys and values: one segment"
+        for sc in scales:
+            assert sc.dtype == torch.float32 and sc.shape == pool.shape[:3] and sc.stride() == scales[0].stride()
+            assert all(sc.stride(i) * d == pool.stride(i) for i in range(3) if pool.shape[i] > 1), sc.stride()
     Hkv = segments[0][0].shape[1]
     G = Hq // Hkv
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
@@ -140,13 +159,13 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     out = torch.empty_like(q)
     (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = segments
     _split_kernel[(num_splits, Hkv, B)](
-        q, k0, v0, k1, v1, k2, v2, n0, n1, n2, page_table, slot_ids, part_m, part_l, part_acc,
+        q, k0, v0, k1, v1, k2, v2, n0, n1, n2, scales[0], scales[1], page_table, slot_ids, part_m, part_l, part_acc,
         scale * 1.4426950408889634, num_splits, split_tokens,  # scale in exp2 units: times log2(e)
         q.stride(0), k0.stride(0), k0.stride(1), k0.stride(2), k1.stride(0), k1.stride(1), k1.stride(2),
         k2.stride(0), k2.stride(1), k2.stride(2), page_table.stride(0), part_m.stride(0), part_acc.stride(0),
         GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=kv_dtype != q.dtype, num_warps=4)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

@@ -46,7 +46,8 @@ def load_malloc_trim():
 def engine_footprint(engine: LLMEngine) -> Footprint:
     """The memory model for this engine's model, dtype and cache configuration."""
     dtype = next(engine.model.parameters()).dtype
-    return Footprint(mm.Geometry.from_spec(engine.spec, dtype), engine.shadowkv, engine.config.block_size)
+    return Footprint(mm.Geometry.from_spec(engine.spec, dtype, engine.config.kv_cache_dtype), engine.shadowkv,
+                     engine.config.block_size)
 
 
 def replica_location() -> dict[str, str]:

@@ -7,6 +7,7 @@ import torch
 
 VALUE_FORMATS = ("model", "fp8")
 PREFILL_ATTENTIONS = ("sdpa", "sdpa_split", "triton")  # attention.chunk_attention's implementations
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # an option left to what the device and the memory model make best; a value overrides it
 
@@ -114,6 +115,8 @@ class EngineConfig:
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
+    kv_cache_dtype: how the dense cache keeps keys and values: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32
+        scale per token and KV head: about half the bytes of a block, so about twice the dense sequences).
     The options below change speed, never results; each reads "auto" (what the device does best) unless a test or
     a benchmark overrides it.
     use_kernels: decode on the Triton kernels (dense paged and ShadowKV); auto: on CUDA, for heads the kernels take
@@ -147,6 +150,7 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     use_kernels: bool | str = AUTO
     pipeline_decode: bool | str = AUTO
     pipeline_min_batch: int | str = AUTO
@@ -169,6 +173,8 @@ class EngineConfig:
         _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _require(self.load_format in ("auto", "dummy"),
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
                          lambda v: v >= 2)

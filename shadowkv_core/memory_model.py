@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .config import AUTO, VALUE_FORMATS, ShadowKVConfig
+from .config import AUTO, KV_CACHE_DTYPES, VALUE_FORMATS, ShadowKVConfig
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
-FP8_SCALE_BYTES = 4  # fp32 scale of one chunk of one KV head's fp8 values
+FP8_SCALE_BYTES = 4  # fp32 scale of one chunk (dense cache: one token) of one KV head's fp8 values
 OUTLIER_FLAG_BYTES = 1  # uint8 per chunk and KV head on the GPU pages: 1 for an outlier
 GIB = 1 << 30
 
@@ -43,12 +43,13 @@ class Geometry:
     mlp_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False
+    kv_cache_dtype: str = "auto"  # the dense cache's (EngineConfig.kv_cache_dtype)
 
     @classmethod
-    def from_spec(cls, spec, dtype: torch.dtype) -> Geometry:
+    def from_spec(cls, spec, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> Geometry:
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size,
                    spec.intermediate_size, spec.vocab_size, dtype.itemsize, spec.tie_word_embeddings,
-                   spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.qk_norm, spec.post_norms)
+                   spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.qk_norm, spec.post_norms, kv_cache_dtype)
 
     @property
     def kv_width(self) -> int:
@@ -92,6 +93,10 @@ def load_geometry(model: str, dtype_bytes: int = 2) -> Geometry:
 
 # ---- dense ---------------------------------------------------------------------------------------------------
 def dense_block_bytes(g: Geometry, block_size: int) -> int:
+    """K and V of block_size tokens, every layer: in the model's dtype, or fp8 plus an fp32 scale per token and KV
+    head."""
+    if g.kv_cache_dtype == "fp8":
+        return 2 * g.num_layers * block_size * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES)
     return 2 * g.num_layers * block_size * g.kv_width * g.dtype_bytes
 
 
@@ -264,8 +269,9 @@ def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_toke
     """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer."""
     whole = prompt_tokens * WORKSPACE_HIDDEN_VECTORS * g.hidden_size * g.dtype_bytes
     shadow = prompt_tokens * 2 * g.kv_width * 4 if cfg is not None else 0
+    quantize = prompt_tokens * g.kv_width * 4 if g.kv_cache_dtype == "fp8" else 0  # fp32 copy of keys, then values
     mlp_chunk = min(chunk_tokens, prompt_tokens) * 3 * g.intermediate_size * g.dtype_bytes  # gate, up, activation
-    return whole + shadow + mlp_chunk
+    return whole + shadow + quantize + mlp_chunk
 
 
 def decode_workspace_bytes(g: Geometry, num_seqs: int) -> int:
@@ -347,10 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outlier-chunks", type=int, default=48)
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model",
                         help="host values: model dtype or fp8")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="dense cache: model dtype or fp8")
     parser.add_argument("--device-value-share", default="0",
                         help="share of values in device memory, or 'auto': the best for each context")
     args = parser.parse_args(argv)
-    g = load_geometry(args.model)
+    g = dataclasses.replace(load_geometry(args.model), kv_cache_dtype=args.kv_cache_dtype)
     share = args.device_value_share if args.device_value_share == AUTO else float(args.device_value_share)
     cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
                          outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share)

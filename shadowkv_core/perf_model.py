@@ -20,8 +20,8 @@ from .config import VALUE_FORMATS, ShadowKVConfig
 
 
 def kv_bytes(g: mm.Geometry, context: int) -> int:
-    """Keys and values of one sequence, every layer."""
-    return 2 * g.num_layers * context * g.kv_width * g.dtype_bytes
+    """Keys and values of one sequence, every layer, as the dense cache keeps them (fp8: with their scales)."""
+    return context * mm.dense_block_bytes(g, 1)
 
 
 def dense_floor_s(g: mm.Geometry, context: int, batch: int, copy_bps: float) -> float:

@@ -17,13 +17,13 @@ RUN = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--warmup-step
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One run of every kind of method: dense, ShadowKV (bf16 and fp8 values; CUDA graphs asked for and not), HF's
+    """One run of every kind of method: dense (model dtype and fp8 KV), ShadowKV (bf16 and fp8 values; CUDA graphs asked for and not), HF's
     two caches."""
     root = tmp_path_factory.mktemp("throughput")
     kernels = root / "kernels.json"
     kernels.write_text(json.dumps({"meta": {}, "rows": [{"kernel": "fetch_values"}]}))
-    run_module("benchmarks.throughput", *RUN, "--steps", "2", "--max-batch", "3", "--methods", "dense", "shadowkv",
-               "shadowkv_fp8", "shadowkv_eager", "hf", "hf_static", "--out", str(root / "t.json"),
+    run_module("benchmarks.throughput", *RUN, "--steps", "2", "--max-batch", "3", "--methods", "dense", "dense_fp8",
+               "shadowkv", "shadowkv_fp8", "shadowkv_eager", "hf", "hf_static", "--out", str(root / "t.json"),
                "--kernels-json", str(kernels), timeout_s=900)
     return root, json.loads((root / "t.json").read_text())
 
@@ -45,7 +45,8 @@ def test_script_writes_rows_summary_and_plot(run):
     root, saved = run
     assert not saved["failures"] and saved["environment"]["command"]
     rows = saved["rows"]
-    assert {r["method"] for r in rows} == {"dense", "shadowkv", "shadowkv_fp8", "shadowkv_eager", "hf", "hf_static"}
+    assert {r["method"] for r in rows} == {"dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_eager", "hf",
+                                           "hf_static"}
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0
         assert r["steps"] == 2
@@ -54,6 +55,8 @@ def test_script_writes_rows_summary_and_plot(run):
     assert all(0 <= r["hit_rate"] <= 1 and r["peak_host_gib"] > 0 for r in rows if r["method"] == "shadowkv")
     assert "QKV" in next(r for r in rows if r["method"] == "dense" and "breakdown_ms" in r)["breakdown_ms"]
     summary = saved["summary"][0]
+    assert summary["dense_fp8_batch"] >= summary["dense_batch"]  # fp8 blocks: at least the dense batch fits
+    assert summary["dense_method"] == max(("dense", "dense_fp8"), key=lambda m: summary[f"{m}_tok_s"])
     assert {"shadowkv_over_dense", "shadowkv_over_hf", "prefill_overhead", "dense_x_roofline",
             "shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3"} <= set(summary)
     # The plot needs the `bench` extra (matplotlib); without it the run still writes its JSON and no PNG.

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core.cache.base import CacheSpec
+from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.tiny_model import build_tiny_model, tiny_llama_config
+from support.model_factory import decode, prefill
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # The tiny model has 2 KV heads of 16 dims: rank 32 is full rank; a 4096-token budget covers every context here,
@@ -133,6 +136,8 @@ def test_engine_config_errors_are_clear(tiny_path):
         LLMEngine(EngineConfig(model=tiny_path, max_num_seqs=0))
     with pytest.raises(ValueError, match="prefill_attention"):
         EngineConfig(model=tiny_path, prefill_attention="flash")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model=tiny_path, kv_cache_dtype="int8")
 
 
 def test_split_prefill_attention_gives_the_default_tokens(tiny_path, dense_llm, monkeypatch):
@@ -148,6 +153,31 @@ def test_split_prefill_attention_gives_the_default_tokens(tiny_path, dense_llm, 
         want = dense_llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in want]
     assert calls
+
+
+def teacher_forced_logits(engine, kv_cache_dtype, prompt, generated):
+    """Logits of every decode step of prompt + generated, read through a fresh dense cache of kv_cache_dtype."""
+    spec = CacheSpec.of(engine.spec, torch.float32, "cpu", use_kernels=False, kv_cache_dtype=kv_cache_dtype)
+    cache = DenseKVCache(spec, num_blocks=64, block_size=16)
+    cache.manager.allocate(0, len(prompt), len(generated))
+    with torch.no_grad():
+        logits = [prefill(engine.model, cache, [torch.tensor(prompt)])[-1:]]
+        for i, token in enumerate(generated[:-1]):
+            logits.append(decode(engine.model, cache, [token], [len(prompt) + i]))
+    return torch.cat(logits)  # (generated, vocab)
+
+
+def test_fp8_dense_cache_generates_greedily_with_logits_close_to_the_model_dtype_cache(tiny_path):
+    fp8 = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01, kv_cache_dtype="fp8")
+    prompts = prompts_of_lengths([40, 23], seed=19)
+    for prompt, out in zip(prompts, fp8.generate(prompts, GREEDY)):
+        assert len(out.token_ids) == GREEDY.max_tokens
+        got = teacher_forced_logits(fp8.engine, "fp8", prompt, out.token_ids)
+        want = teacher_forced_logits(fp8.engine, "auto", prompt, out.token_ids)
+        assert got.argmax(-1).tolist() == out.token_ids  # the engine decoded from these fp8 logits
+        err, scale = (got - want).abs().max().item(), want.abs().max().item()
+        assert err <= 2 ** -4 * scale, f"fp8 KV moved the logits by {err:.3g} of a scale of {scale:.3g}"
+    assert cache_is_empty(fp8.engine)
 
 
 def test_full_budget_full_rank_shadowkv_equals_dense_over_long_generation(tiny_path, dense_llm):

@@ -5,6 +5,7 @@ from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_
 from kernels.decode_attention import decode_attention
 from shadowkv_core.shadowkv.batched_reference import (dense_decode_attention_batched,
                                                       sparse_decode_attention_batched)
+from shadowkv_core.shadowkv.reference import quantize_values
 
 
 def _ragged(g, B, hi, lo=0):
@@ -51,6 +52,26 @@ def _check_dense(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, **
     assert_close(got, expected, dtype, "dense paged decode attention")
 
 
+def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, **launch):
+    """fp8 pools with one scale per token and KV head (the dense cache's kv_cache_dtype fp8): the kernel reads them
+    dequantised to q's dtype, as the reference does."""
+    g = torch.Generator().manual_seed(seed)
+    table, num_blocks = page_tables(context_lens, block_size, g)
+    k_pool, k_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
+    v_pool, v_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
+    q = torch.randn(len(context_lens), Hq, d, generator=g).to(device, dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    scale = d ** -0.5
+    expected = dense_decode_attention_batched(q, k_pool, v_pool, table, lens, block_size, scale,
+                                              scales=(k_scales, v_scales))
+    pool = (k_pool.permute(1, 0, 2)[None], v_pool.permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
+    slot_ids = torch.zeros(len(context_lens), dtype=torch.int32, device=device)
+    got = decode_attention(q, [pool], slot_ids, scale, max(context_lens), page_table=table, page_size=block_size,
+                           scales=(k_scales.T[None], v_scales.T[None]), **launch)  # (1, Hkv, rows)
+    assert_close(got, expected, dtype, "dense paged decode attention, fp8 pools")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("B,Hq,Hkv", [(3, 8, 2), (2, 6, 3), (1, 4, 4)])
 def test_sparse_decode_attention_small(B, Hq, Hkv, dtype):
@@ -62,6 +83,12 @@ def test_sparse_decode_attention_small(B, Hq, Hkv, dtype):
 @pytest.mark.parametrize("context_lens,Hq,Hkv", [([70, 1, 33], 8, 2), ([129], 6, 3)])
 def test_dense_decode_attention_small(context_lens, Hq, Hkv, dtype):
     _check_dense(context_lens, Hq, Hkv, 32, 16, dtype, DEVICE, block_n=16, split_tokens=48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("context_lens,Hq,Hkv", [([70, 1, 33], 8, 2), ([129], 6, 3), ([17, 95, 48, 3, 64], 4, 4)])
+def test_dense_decode_attention_fp8_small(context_lens, Hq, Hkv, dtype):
+    _check_dense_fp8(context_lens, Hq, Hkv, 32, 16, dtype, DEVICE, block_n=16, split_tokens=48)
 
 
 @pytest.mark.gpu
@@ -77,3 +104,11 @@ def test_sparse_decode_attention_llama(batch):
 def test_dense_decode_attention_llama(context, batch):
     lens = ragged_lengths(context, batch, seed=batch)
     _check_dense(lens, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], 16, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context,batch", [(32 * 1024, 8), (128 * 1024, 2)])
+def test_dense_decode_attention_fp8_llama(context, batch):
+    lens = ragged_lengths(context, batch, seed=batch)
+    _check_dense_fp8(lens, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], 16, torch.bfloat16,
+                     "cuda")

@@ -95,6 +95,30 @@ def test_fp8_values_halve_the_host_bytes_and_double_a_host_bound_batch():
     assert mm.capacity(g, fp8, gpu, host, [122880], 128) == 2 * mm.capacity(g, model, gpu, host, [122880], 128)
 
 
+def test_predicted_bytes_equal_a_dense_fp8_engines_allocations_exactly(tmp_path):
+    path = build_tiny_model(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, gpu_cache_gib=0.005, max_model_len=1024,
+                                    kv_cache_dtype="fp8"))
+    cache = engine.cache
+    g = mm.Geometry.from_spec(engine.spec, torch.float32, "fp8")
+    pools = mm.plan_pools(g, None, int(0.005 * mm.GIB), 0, 3)
+    assert cache.manager.blocks.num_blocks == pools.num_dense_blocks
+    allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v, cache.k_scales, cache.v_scales))
+    assert allocated == pools.gpu_bytes(g, None, 16) <= 0.005 * mm.GIB
+    assert engine.footprint(300, 40) == dataclasses.astuple(mm.seq_bytes(g, None, 300, 40))
+    cache.manager.allocate(0, 300, 40)
+    assert cache.stats()["gpu_bytes_in_use"] == mm.seq_bytes(g, None, 300, 40).gpu
+
+
+def test_fp8_dense_kv_about_doubles_the_dense_batch_at_122k():
+    fp8 = dataclasses.replace(G8B, kv_cache_dtype="fp8")
+    # one byte per element and an fp32 scale per token and KV head (head_dim 128), against two bytes per element
+    assert mm.dense_block_bytes(fp8, 16) * 2 * 128 == mm.dense_block_bytes(G8B, 16) * (128 + 4)
+    for gpu in (80 * mm.GIB, 139 * mm.GIB):  # an H100's and an H200's memory
+        bf16, f8 = (mm.capacity(g, None, gpu, 0, [122880], 128) for g in (G8B, fp8))
+        assert f8 in (2 * bf16, 2 * bf16 + 1), (gpu, bf16, f8)  # the same free bytes, 1.94x the sequences
+
+
 def test_fp8_landmarks_halve_the_landmark_bytes():
     g = mm.PRESETS["llama-3.1-8b"]
     model, fp8 = PAPER, dataclasses.replace(PAPER, landmark_format="fp8")

@@ -22,7 +22,7 @@ from .metrics import RequestRecord, summarize
 from .offline import UNFINISHED, OfflineRun, peak_gpu_bytes
 from .scenarios import SCENARIOS, make_workload
 
-ENGINES = ("dense", "shadowkv")
+ENGINES = ("dense", "dense_fp8", "shadowkv")
 METHODS = (*ENGINES, *hf.METHODS)
 
 
@@ -39,12 +39,15 @@ def model_dir(model: str, max_len: int, tokenizer: bool = False) -> tuple[str, b
 
 
 def method_args(app_args: dict, model: str, dummy: bool, method: str) -> dict:
-    """A Serve application's args serving `model` with `method`: dense turns ShadowKV off; random weights load as
-    "dummy"."""
+    """A Serve application's args serving `model` with `method`: dense turns ShadowKV off, dense_fp8 too and keeps
+    the KV cache in fp8 (EngineConfig.kv_cache_dtype); random weights load as "dummy"."""
     args = {**app_args, "model": model}
-    if dummy:
-        args["engine"] = {**app_args.get("engine", {}), "load_format": "dummy"}
-    if method == "dense":
+    engine = {**app_args.get("engine", {}), **({"load_format": "dummy"} if dummy else {})}
+    if method == "dense_fp8":
+        engine["kv_cache_dtype"] = "fp8"
+    if engine:
+        args["engine"] = engine
+    if method in ("dense", "dense_fp8"):
         args["shadowkv"] = None
     return args
 

@@ -25,7 +25,7 @@ class CacheSpec:
     """What a cache is built for: the model's attention geometry, in one dtype on one device. prefill_chunk_tokens:
     queries attended at once in a prefill (bounds the score matrix). use_kernels: decode on the Triton kernels; "auto"
     does on CUDA, for heads the kernels take. prefill_attention: how a prefill chunk attends
-    (attention.chunk_attention)."""
+    (attention.chunk_attention). kv_cache_dtype: the dense cache's, "auto" (dtype) or "fp8"."""
 
     num_layers: int
     num_q_heads: int
@@ -37,6 +37,7 @@ class CacheSpec:
     prefill_chunk_tokens: int = 8192
     use_kernels: bool | str = AUTO
     prefill_attention: str = "sdpa"
+    kv_cache_dtype: str = AUTO
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -46,10 +47,11 @@ class CacheSpec:
 
     @classmethod
     def of(cls, spec, dtype: torch.dtype, device: torch.device | str, prefill_chunk_tokens: int = 8192,
-           use_kernels: bool | str = AUTO, prefill_attention: str = "sdpa") -> CacheSpec:
+           use_kernels: bool | str = AUTO, prefill_attention: str = "sdpa",
+           kv_cache_dtype: str = AUTO) -> CacheSpec:
         """From a model's ModelSpec."""
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
-                   device, prefill_chunk_tokens, use_kernels, prefill_attention)
+                   device, prefill_chunk_tokens, use_kernels, prefill_attention, kv_cache_dtype)
 
     @property
     def kernels(self) -> bool:

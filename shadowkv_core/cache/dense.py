@@ -1,5 +1,8 @@
 """Dense paged KV cache: post-RoPE keys and values of every token, in fixed-size blocks addressed through a
-per-sequence block table (the vLLM layout). Used for full attention and for sequences too short for ShadowKV."""
+per-sequence block table (the vLLM layout). Used for full attention and for sequences too short for ShadowKV.
+
+kv_cache_dtype "fp8": e4m3 with one fp32 scale per token and KV head, so that an appended token never rescales nor
+saturates the tokens already in its block; attention reads them dequantised to the model's dtype."""
 from __future__ import annotations
 
 import math
@@ -11,6 +14,7 @@ import triton
 from kernels.decode_attention import decode_attention
 
 from ..attention import chunk_attention, prefill_attention_ref
+from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
 from .allocator import BlockAllocator
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
@@ -70,9 +74,13 @@ class DenseKVCache(KVCache):
     def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int):
         self.spec = spec
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)  # blocks as token rows
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        self.fp8 = spec.kv_cache_dtype == "fp8"
+        self.k = torch.zeros(shape, dtype=FP8 if self.fp8 else spec.dtype, device=spec.device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scales = torch.ones(shape[:3], device=spec.device) if self.fp8 else None  # (L, rows, Hkv) fp32
+        self.v_scales = torch.ones(shape[:3], device=spec.device) if self.fp8 else None
+        token_bytes = spec.head_dim * self.k.dtype.itemsize + (4 if self.fp8 else 0)  # one KV head's K or V
+        block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * token_bytes
         self.manager = DenseManager(num_blocks, block_size, block_bytes)
         self._forward_state: dict[tuple[str, int], tuple[AttentionMetadata, object]] = {}  # see _per_forward
 
@@ -94,10 +102,24 @@ class DenseKVCache(KVCache):
             [rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]),
             torch.int64, self.k.device))
 
+    def _store(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, Hkv, d) into the pool's rows (n,); fp8: quantised, each token and KV head its own scale."""
+        if not self.fp8:
+            self.k[layer, rows], self.v[layer, rows] = k, v
+            return
+        self.k[layer, rows], self.k_scales[layer, rows] = quantize_values(k, 1)  # chunks of one token
+        self.v[layer, rows], self.v_scales[layer, rows] = quantize_values(v, 1)
+
+    def _load(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (n, Hkv, d) of the pool's rows (n,), in the model's dtype."""
+        if not self.fp8:
+            return self.k[layer, rows], self.v[layer, rows]
+        return (dequantize_tokens(self.k[layer, rows], self.k_scales[layer, rows], self.spec.dtype),
+                dequantize_tokens(self.v[layer, rows], self.v_scales[layer, rows], self.spec.dtype))
+
     def attend(self, layer, q, k_pre, k_rot, v, meta):
         rows = self._write_rows(meta)
-        self.k[layer, rows] = k_rot
-        self.v[layer, rows] = v
+        self._store(layer, rows, k_rot, v)
         if self.spec.kernels and not meta.is_prefill:
             return self._decode_fast(layer, q, meta)
         out = torch.empty_like(q)
@@ -109,9 +131,8 @@ class DenseKVCache(KVCache):
                                                              self.spec.prefill_chunk_tokens,
                                                              self.spec.prefill_attention)
                 continue
-            seq_rows = self._rows(seq_id, 0, ctx + n)
-            out[start:start + n] = chunk_attention(q_i, self.k[layer, seq_rows], self.v[layer, seq_rows], scale,
-                                                   self.spec.prefill_attention)
+            keys, values = self._load(layer, self._rows(seq_id, 0, ctx + n))
+            out[start:start + n] = chunk_attention(q_i, keys, values, scale, self.spec.prefill_attention)
         return out
 
     def _decode_plan(self, meta: AttentionMetadata):
@@ -133,8 +154,11 @@ class DenseKVCache(KVCache):
         """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
         table, lens, slots, max_len = self._decode_plan(meta)
         pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
+        scales = None
+        if self.fp8:
+            scales = (self.k_scales[layer].T[None], self.v_scales[layer].T[None])  # (1, Hkv, rows)
         return decode_attention(q.contiguous(), [pool], slots, self.spec.scale, max_len, page_table=table,
-                                page_size=self.manager.block_size)
+                                page_size=self.manager.block_size, scales=scales)
 
     def _graphable(self, meta: AttentionMetadata) -> bool:
         return self.spec.kernels and not meta.is_prefill
@@ -157,7 +181,8 @@ class DenseKVCache(KVCache):
     def copy_sequence(self, src: int, dst: int) -> None:
         length = self.manager.lengths[src]
         rows_src, rows_dst = self._rows(src, 0, length), self._rows(dst, 0, length)
+        pools = [self.k, self.v] + ([self.k_scales, self.v_scales] if self.fp8 else [])
         for layer in range(self.k.shape[0]):  # one layer at a time: no whole-cache temporary
-            self.k[layer, rows_dst] = self.k[layer, rows_src]
-            self.v[layer, rows_dst] = self.v[layer, rows_src]
+            for pool in pools:
+                pool[layer, rows_dst] = pool[layer, rows_src]
         self.manager.lengths[dst] = length

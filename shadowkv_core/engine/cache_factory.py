@@ -71,10 +71,10 @@ def resolve_device_value_share(config: EngineConfig, g: mm.Geometry, gpu_budget:
 
 def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, rotary,
                 max_model_len: int) -> KVCache:
-    g = mm.Geometry.from_spec(spec, dtype)
+    g = mm.Geometry.from_spec(spec, dtype, config.kv_cache_dtype)
     budget = gpu_cache_bytes(config, g, device)
     cache_spec = CacheSpec.of(spec, dtype, device, config.prefill_chunk_tokens, config.use_kernels,
-                              config.prefill_attention)
+                              config.prefill_attention, config.kv_cache_dtype)
     if config.shadowkv is None:
         pools = mm.plan_pools(g, None, budget, 0, config.max_num_seqs, config.block_size)
         if pools.num_dense_blocks < 1:

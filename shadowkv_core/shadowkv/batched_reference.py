@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.attention import attention_ref
-from shadowkv_core.shadowkv.reference import (assign_slots, dequantize_values, gather_scales, gather_values,
-                                              landmark_scores, paged_rows, rebuild_keys, sparse_decode_attention_ref)
+from shadowkv_core.shadowkv.reference import (assign_slots, dequantize_tokens, dequantize_values, gather_scales,
+                                              gather_values, landmark_scores, paged_rows, rebuild_keys,
+                                              sparse_decode_attention_ref)
 
 
 def landmark_scores_batched(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor,
@@ -105,9 +106,13 @@ def sparse_decode_attention_batched(q: torch.Tensor, segments: list[tuple[torch.
 
 def dense_decode_attention_batched(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                    block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                                   scale: float) -> torch.Tensor:
+                                   scale: float, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                                   ) -> torch.Tensor:
     """q (B, Hq, d), pools (rows, Hkv, d) addressed through block_table (B, max_blocks) -> (B, Hq, d): each query
-    over its sequence's first context_lens[b] keys (the dense cache's decode)."""
+    over its sequence's first context_lens[b] keys (the dense cache's decode). scales: (rows, Hkv) each of fp8
+    pools, which are read dequantised to q's dtype."""
+    if scales is not None:
+        k_pool, v_pool = dequantize_tokens(k_pool, scales[0], q.dtype), dequantize_tokens(v_pool, scales[1], q.dtype)
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])

@@ -151,8 +151,14 @@ def quantize_values(v: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, tor
 
 
 def dequantize_values(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values (M, C, d) fp8, scales (M,) fp32 -> (M, C, d) in dtype: fp32 product, one rounding (as the kernel)."""
-    return (values.float() * scales[:, None, None]).to(dtype)
+    """values (..., C, d) fp8, scales (...) fp32 -> (..., C, d) in dtype: fp32 product, one rounding (as the
+    kernel)."""
+    return (values.float() * scales[..., None, None]).to(dtype)
+
+
+def dequantize_tokens(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (n, Hkv, d) fp8 with one scale per token and KV head, scales (n, Hkv) -> (n, Hkv, d) in dtype."""
+    return dequantize_values(values.unsqueeze(-2), scales, dtype).squeeze(-2)  # chunks of one token: (n, Hkv, 1, d)
 
 
 def gather_scales(host_scales: torch.Tensor, page_table: torch.Tensor, chunk_ids: torch.Tensor,

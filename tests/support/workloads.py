@@ -10,7 +10,7 @@ from support.cli import run_module
 
 SMALL = ["--scale", "0.02", "--count-scale", "0.25"]  # every scenario on the CPU in seconds
 SCENARIOS = ["doc_qa", "long_output", "multi_turn", "shared_doc", "mixed"]
-METHODS = ["dense", "shadowkv"]
+METHODS = ["dense", "dense_fp8", "shadowkv"]
 
 
 def dump(tmp_path, *args: str) -> dict:
