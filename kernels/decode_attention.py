@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
+from kernels.online_softmax import online_softmax_step
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -81,12 +82,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             v = (v.to(tl.float32) * tl.load(vs_ptr + s_rows, mask=valid, other=0.0)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
     part = b * stride_pb + heads * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)

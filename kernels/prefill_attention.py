@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import online_softmax_step
+
 HEAD_DIMS = (64, 128)
 LOG2_E = 1.4426950408889634
 
@@ -39,12 +41,7 @@ def _attend_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, scale_log2, pos_m,
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             s = tl.where((keys[None, :] <= pos_m[:, None]) & (keys[None, :] < k_len), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
     return acc, m_i, l_i
 
 
