@@ -18,6 +18,7 @@ class Prepared:
     params: SamplingParams
     echo: str = ""  # text sent before the answer: the prompt, for a completion with echo
 
+
 def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
     """Each prompt's token ids: tokenized the way the engine does (`tokenizer(prompt)`), or the chat template
     rendered first."""

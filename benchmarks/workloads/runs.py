@@ -91,12 +91,13 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
 def run_hf(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
     """One scenario through Hugging Face transformers (hf.py), after the engines' warm-up request -> its row."""
     model, dummy = model_dir(args.model, app_args["max_model_len"])
-    workload = make_workload(scenario, args.seed, model_spec(model).vocab_size, args.scale, args.count_scale)
+    vocab_size = model_spec(model).vocab_size
+    workload = make_workload(scenario, args.seed, vocab_size, args.scale, args.count_scale)
     run = hf.HFRun(hf.load(model, dummy), method, workload, time_limit_s=args.time_limit_s)
-    run.warm_up(warm_up_prompt(app_args["max_model_len"], model_spec(model).vocab_size))
+    run.warm_up(warm_up_prompt(app_args["max_model_len"], vocab_size))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    run.progress = progress(f"{scenario} {method}", workload)
+    run.progress = progress(f"{scenario} {method}", workload)  # after the warm-up: the bar times the run alone
     records, wall = run.run()
     return run_row(scenario, method, "offline", records, wall, args.events, peak_gpu_gib=peak_gpu_bytes() / 2**30,
                    peak_host_gib=0.0, hit_rate=None, time_limit_s=args.time_limit_s,
