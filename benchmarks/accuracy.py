@@ -6,7 +6,8 @@ needle-in-a-haystack grid (context x depth), greedy. ShadowKV's rank is scaled t
 per-chunk min/max key bounds (shadowkv_core/shadowkv/quest.py) at the same budget, by default with the keys at full
 rank so the chunks it picks are exact, as Quest reads them (--quest-rank-share puts it on ShadowKV's low-rank keys).
 shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head); shadowkv_fp8lm has its
-landmarks in fp8 as well (ShadowKVConfig.landmark_format).
+landmarks in fp8 as well (ShadowKVConfig.landmark_format). dense_fp8 is dense attention with its cache in fp8
+(EngineConfig.kv_cache_dtype: e4m3, a scale per token and KV head).
 Writes benchmarks/results/accuracy.json (a list of rows), accuracy.meta.json (the runs: command, device, versions,
 timings; --merge adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method.
 
@@ -56,11 +57,12 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
     context = len(samples[0].prompt_ids)
     value_format = "fp8" if method in ("shadowkv_fp8", "shadowkv_fp8lm") else "model"
     landmark_format = "fp8" if method == "shadowkv_fp8lm" else "model"
-    config = None if method == "dense" else shadowkv_config(model, context, budget, rank_share, value_format,
-                                                            landmark_format)
+    config = None if method in DENSE else shadowkv_config(model, context, budget, rank_share, value_format,
+                                                          landmark_format)
     # The PyTorch reference decode path for every method (Quest's scorer needs it; the kernels equal it by test)
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=context + MAX_TOKENS, max_num_seqs=16,
-              gpu_cache_gib=2, host_cache_gib=2, use_kernels=False)
+              gpu_cache_gib=2, host_cache_gib=2, use_kernels=False,
+              kv_cache_dtype="fp8" if method == "dense_fp8" else "auto")
     scorer = QuestScorer() if method == "quest" else None
     if config is not None:
         llm.engine.cache.shadow.chunk_scorer = scorer
@@ -80,13 +82,15 @@ def run(model: str, method: str, budget: float, samples: list, device: str,
     return [texts[i] for i in range(len(samples))], hit_rates
 
 
-METHODS = ("dense", "shadowkv", "quest", "shadowkv_fp8", "shadowkv_fp8lm")  # fp8 values; and fp8 landmarks
+DENSE = ("dense", "dense_fp8")  # full attention: no budget
+METHODS = (*DENSE, "shadowkv", "quest", "shadowkv_fp8", "shadowkv_fp8lm")  # fp8 values; and fp8 landmarks
 
 
 def methods(budgets: list[float], chosen=METHODS) -> list[tuple[str, float]]:
-    """Dense first, then the sparse methods per budget, the paper's 1.56 % (if asked for) first."""
+    """The dense methods first, then the sparse ones per budget, the paper's 1.56 % (if asked for) first."""
     ordered = sorted(budgets, key=lambda b: b != HEATMAP_BUDGET)
-    return [("dense", 1.0)] * ("dense" in chosen) + [(m, b) for b in ordered for m in METHODS[1:] if m in chosen]
+    return [(m, 1.0) for m in DENSE if m in chosen] + \
+        [(m, b) for b in ordered for m in METHODS if m not in DENSE and m in chosen]
 
 
 def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
@@ -133,7 +137,7 @@ def sample_groups(args) -> dict[tuple, list]:
 def markdown(rows: list[dict], budgets: list[float]) -> str:
     """Task rows x method columns, averaged over the contexts; then the task average per context."""
     cols = methods(budgets, {r["method"] for r in rows})
-    head = "| task | " + " | ".join(f"{m} {b:.2%}" if m != "dense" else "dense" for m, b in cols) + " |"
+    head = "| task | " + " | ".join(m if m in DENSE else f"{m} {b:.2%}" for m, b in cols) + " |"
     lines = [head, "|---" * (len(cols) + 1) + "|"]
     tasks = [t for t in (*TASKS, "niah_grid") if any(r["task"] == t for r in rows)]
     for task in tasks + ["average (tasks)"]:
@@ -156,8 +160,8 @@ def heatmaps(rows: list[dict], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paths = []
-    for method in ("dense", "shadowkv", "quest"):
-        cells = [r for r in grid if r["method"] == method and (method == "dense" or r["budget"] == HEATMAP_BUDGET)]
+    for method in (*DENSE, "shadowkv", "quest"):
+        cells = [r for r in grid if r["method"] == method and (method in DENSE or r["budget"] == HEATMAP_BUDGET)]
         if not cells:
             continue
         contexts, depths = sorted({r["context"] for r in cells}), sorted({r["depth"] for r in cells})
@@ -170,7 +174,7 @@ def heatmaps(rows: list[dict], out_dir: Path) -> list[Path]:
         for i, line in enumerate(table):
             for j, value in enumerate(line):
                 ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
-        label = "dense" if method == "dense" else f"{method}, budget {HEATMAP_BUDGET:.2%}"
+        label = method if method in DENSE else f"{method}, budget {HEATMAP_BUDGET:.2%}"
         ax.set(xlabel="context (tokens)", ylabel="needle depth", title=f"NIAH, {label}")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
@@ -225,7 +229,7 @@ def write_results(out_dir: Path, rows: list[dict], runs: list[dict]) -> str:
     """accuracy.json, accuracy.meta.json (the runs), accuracy.md and the heatmaps; returns the markdown table."""
     (out_dir / "accuracy.json").write_text(json.dumps(rows, indent=1))
     (out_dir / "accuracy.meta.json").write_text(json.dumps(runs, indent=1))
-    table = markdown(rows, sorted({r["budget"] for r in rows if r["method"] != "dense"}))
+    table = markdown(rows, sorted({r["budget"] for r in rows if r["method"] not in DENSE}))
     commands = "\n".join(f"`{run['command']}` on {run['device']}" for run in runs)
     (out_dir / "accuracy.md").write_text(f"{commands}\n\n{table}")
     heatmaps(rows, out_dir)
