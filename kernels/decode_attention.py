@@ -13,8 +13,9 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
                     A window stored (N, E, Hkv, d) is passed as its .transpose(1, 2); a dense pool (rows, Hkv, d)
                     as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
   scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment): strides
-                    k's divided by d (a dense pool's (rows, Hkv) scales as .T[None]); a key is its e4m3 value times
-                    its scale, in fp32, rounded once to q's dtype
+                    k's divided by d (a dense pool's (rows, Hkv) scales as .T[None]); keys and values enter the dots
+                    as their e4m3 values in q's dtype (exact), the key scales multiply the fp32 scores and the value
+                    scales the softmax weights
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
@@ -68,21 +69,31 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
-        in0, off0 = _segment_offsets(t, 0, n0, stride_0t, table_ptr + b * stride_tb, PAGE_SIZE)
-        in1, off1 = _segment_offsets(t, n0, n1, stride_1t, table_ptr, 0)
-        in2, off2 = _segment_offsets(t, n0 + n1, n2, stride_2t, table_ptr, 0)
         valid = t < hi
-        k_rows = tl.where(in0, k0_ptr + base0 + off0, tl.where(in1, k1_ptr + base1 + off1, k2_ptr + base2 + off2))
-        v_rows = tl.where(in0, v0_ptr + base0 + off0, tl.where(in1, v1_ptr + base1 + off1, v2_ptr + base2 + off2))
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if FP8:  # segment 0 only: its scale rows sit at its key offsets over HEAD_DIM
-            s_rows = (base0 + off0) // HEAD_DIM
-            k = (k.to(tl.float32) * tl.load(ks_ptr + s_rows, mask=valid, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(vs_ptr + s_rows, mask=valid, other=0.0)[:, None]).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+        in0, off0 = _segment_offsets(t, 0, n0, stride_0t, table_ptr + b * stride_tb, PAGE_SIZE)
+        if FP8:  # segment 0 only, addressed directly; its scale rows sit at its key offsets over HEAD_DIM
+            rows = base0 + off0
+            k = tl.load(k0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            s_rows = rows // HEAD_DIM
+            k_scale = tl.load(ks_ptr + s_rows, mask=valid, other=0.0)
+            v_scale = tl.load(vs_ptr + s_rows, mask=valid, other=0.0)
+            # the scales ride on the (GROUP_PAD, BLOCK_N) scores and weights, not on the (BLOCK_N, d) tiles
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), DOT_PRECISION, v_scale)
+        else:
+            in1, off1 = _segment_offsets(t, n0, n1, stride_1t, table_ptr, 0)
+            in2, off2 = _segment_offsets(t, n0 + n1, n2, stride_2t, table_ptr, 0)
+            k_rows = tl.where(in0, k0_ptr + base0 + off0,
+                              tl.where(in1, k1_ptr + base1 + off1, k2_ptr + base2 + off2))
+            v_rows = tl.where(in0, v0_ptr + base0 + off0,
+                              tl.where(in1, v1_ptr + base1 + off1, v2_ptr + base2 + off2))
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
+            s = tl.where(valid[None, :], s, float("-inf"))
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
     part = b * stride_pb + heads * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
@@ -110,10 +121,12 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, str
 
 def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
-                     page_size: int = 0, block_n: int = 64, split_tokens: int | None = None,
+                     page_size: int = 0, block_n: int | None = None, split_tokens: int | None = None,
                      scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
-    split_tokens (a multiple of block_n): keys per split; by default enough splits for a few programs per SM."""
+    block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for a
+    few programs per SM. fp8 pools take wider steps and more programs: half the bytes per key leave each program
+    more latency to hide."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
@@ -143,9 +156,12 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     if q.device.index not in _NUM_SMS:
         _NUM_SMS[q.device.index] = (torch.cuda.get_device_properties(q.device).multi_processor_count
                                     if q.is_cuda else 1)
+    fp8 = kv_dtype != q.dtype
+    block_n = block_n or (128 if fp8 else 64)
     blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
     if split_tokens is None:
-        split_tokens = block_n * triton.cdiv(blocks * B * Hkv, 4 * _NUM_SMS[q.device.index])
+        per_sm = 16 if fp8 else 4
+        split_tokens = block_n * triton.cdiv(blocks * B * Hkv, per_sm * _NUM_SMS[q.device.index])
     split_tokens = min(split_tokens, block_n * blocks)
     assert split_tokens % block_n == 0
     num_splits = triton.cdiv(blocks * block_n, split_tokens)
@@ -161,7 +177,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         k2.stride(0), k2.stride(1), k2.stride(2), page_table.stride(0), part_m.stride(0), part_acc.stride(0),
         GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=kv_dtype != q.dtype, num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)
