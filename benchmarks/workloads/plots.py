@@ -1,5 +1,5 @@
-"""The workload benchmark's figures: one panel per scenario, one line per method. Offline: the distribution of TTFT;
-online: requests/min and goodput against the arrival rate."""
+"""The workload benchmark's figures: one panel per scenario and driver, one line per method. Offline: the distribution
+of TTFT; online: requests/min and goodput against the arrival rate."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ from .runs import METHODS
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
-    """The figure of the rows' driver, written to `path`; None without matplotlib."""
+    """The figure of the rows, written to `path` (a row of panels per driver present); None without matplotlib."""
     try:
         import matplotlib
 
@@ -18,14 +18,19 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return None
-    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.4), squeeze=False)
-    for ax, scenario in zip(axes[0], scenarios):
-        ours = [r for r in rows if r["scenario"] == scenario]
-        (_rates if rows[0]["driver"] == "online" else _ttft_cdf)(ax, ours)
-        ax.set_title(scenario)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    drivers = [d for d in ("offline", "online") if any(r["driver"] == d for r in rows)]
+    panels = [[(d, s) for s in dict.fromkeys(r["scenario"] for r in rows if r["driver"] == d)] for d in drivers]
+    width = max(len(line) for line in panels)
+    fig, axes = plt.subplots(len(panels), width, figsize=(4.2 * width, 3.4 * len(panels)), squeeze=False)
+    for line, ax_line in zip(panels, axes):
+        for ax in ax_line[len(line):]:
+            ax.set_visible(False)
+        for (driver, scenario), ax in zip(line, ax_line):
+            ours = [r for r in rows if r["scenario"] == scenario and r["driver"] == driver]
+            (_rates if driver == "online" else _ttft_cdf)(ax, ours)
+            ax.set_title(f"{scenario}, {driver}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
