@@ -60,8 +60,9 @@ class LogprobFormatter:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(_finite(lp.logprob))
-            top = {self.token(t): _finite(v) for t, v in lp.top[:self.top]}
-            top.setdefault(text, _finite(lp.logprob))
+            top = {}
+            for t, v in (*lp.top[:self.top], (token_id, lp.logprob)):  # ids of one text: the most likely's logprob
+                top.setdefault(self.token(t), _finite(v))
             out.top_logprobs.append(top)
         self._offsets[index] = offset
         return out
