@@ -180,8 +180,8 @@ class _Choice:
 async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str, num_choices: int = 1,
                   n: int = 1, candidates: int | None = None, logprobs: LogprobFormatter | None = None) -> BaseModel:
     """The whole (non-streaming) response body: num_choices choices merged into `events`, `candidates` (default n)
-    of them per prompt, of which the n with the highest cumulative logprob are returned (best_of; the usage counts
-    those), in the order the candidates were generated."""
+    of them per prompt. With more candidates than n (best_of), the n of highest cumulative logprob are returned, the
+    best first (as vLLM), and the usage counts those."""
     candidates = candidates or n
     choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(candidates)
     async for event in events:
@@ -192,8 +192,8 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
         raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
     kept = []
     for start in range(0, num_choices, candidates):
-        best = sorted(range(start, start + candidates), key=lambda i: -choices[i].cumulative_logprob)[:n]
-        kept += sorted(best)
+        ids = range(start, start + candidates)
+        kept += sorted(ids, key=lambda i: -choices[i].cumulative_logprob)[:n] if candidates > n else ids
     usage = Usage.of(sum(totals.prompt[i] for i in kept) // n, sum(totals.completion[i] for i in kept))
     fmt = logprobs if logprobs is not None and logprobs.top is not None else None
     out = [choices[i] for i in kept]

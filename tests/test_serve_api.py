@@ -307,6 +307,10 @@ def test_echo_with_logprobs_and_prompt_logprobs_give_the_prompts_logprobs(client
         assert entries[str(token)]["rank"] == lp.rank
         top_id = str(lp.top[0][0])
         assert entries[top_id]["rank"] == 1 and entries[top_id]["decoded_token"] == llm.tokenizer.decode([lp.top[0][0]])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    entries, ids = chat.model_extra["prompt_logprobs"], _chat_ids(llm, "hi")
+    assert entries[0] is None and [list(e) for e in entries[1:]] == [[str(t)] for t in ids[1:]]
 
 
 def test_best_of_returns_the_candidate_of_highest_cumulative_logprob(client, llm):

@@ -326,13 +326,13 @@ def test_each_streamed_chunk_carries_its_tokens_logprobs(kind):
 
 def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob_and_counts_their_usage():
     async def candidates():
-        streams = [_scored([[1]], -5.0), _scored([[2, 2]], -1.0), _scored([[3]], -2.0)]
+        streams = [_scored([[1]], -5.0), _scored([[3]], -2.0), _scored([[2, 2]], -1.0)]
         async for event in merge([await anext(s) for s in streams], streams):
             yield event
     body = asyncio.run(collect(candidates(), "completion", "c", "m", num_choices=3, n=2, candidates=3,
                                logprobs=LogprobFormatter(LETTERS, CompletionRequest(model="m", prompt="x", n=2,
                                                                                    best_of=3))))
-    assert [(c.index, c.text) for c in body.choices] == [(0, "cc"), (1, "d")]
+    assert [(c.index, c.text) for c in body.choices] == [(0, "cc"), (1, "d")]  # -1 then -2; -5 left out
     assert body.choices[0].logprobs is None  # best_of ranks by logprobs the request did not ask to see
     assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (2, 3)
 
