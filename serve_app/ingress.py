@@ -21,6 +21,7 @@ from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
+from serve_app.logprobs import LogprobFormatter
 from serve_app.metrics import ErrorCounter, ServiceMetrics
 from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
@@ -125,12 +126,14 @@ class Ingress:
             self.limits.check_prompt(len(prepared.prompt_token_ids))
         events = await self._start_choices(request_id, choices, arrived)
         model, count = self.info["model"], len(choices)
+        logprobs = LogprobFormatter(self.info["tokenizer"], request)
         if request.stream:
             prompt_tokens = sum(len(p.prompt_token_ids) for p in choices) // request.n
-            fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None)
+            fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None,
+                                 logprobs)
             return StreamingResponse(sse_stream(events, fmt, request.include_usage, count, request.n),
                                      media_type="text/event-stream")
-        return await collect(events, kind, request_id, model, count, request.n)
+        return await collect(events, kind, request_id, model, count, request.n, request.candidates, logprobs)
 
     async def _start_choices(self, request_id: str, choices: list, arrived: float) -> AsyncIterator[dict]:
         """Admit each choice as an engine request of its own and wait for its first event; a refusal of any one
@@ -143,7 +146,7 @@ class Ingress:
                 await self._admit(engine_id, gpu, host)
                 events = self._events(engine_id, prepared, gpu, host, arrived)
                 first = await self._first_event(events)  # on failure it closes `events` itself
-                firsts.append({**first, "text": prepared.echo + first["text"]})
+                firsts.append(prepared.echoed(first))
                 streams.append(events)
         except BaseException:
             for events in streams:

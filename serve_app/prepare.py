@@ -17,6 +17,16 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     echo: str = ""  # text sent before the answer: the prompt, for a completion with echo
+    echo_logprobs: bool = False  # with echo and logprobs, the prompt's tokens and logprobs come before the answer's
+
+    def echoed(self, first: dict) -> dict:
+        """The choice's first event with its echo before it: the prompt's text and, with echo_logprobs, its tokens
+        and their logprobs (the engine's prompt logprobs, the first token's None)."""
+        event = {**first, "text": self.echo + first["text"]}
+        if self.echo_logprobs and "logprobs" in first:
+            event["token_ids"] = self.prompt_token_ids + first["token_ids"]
+            event["logprobs"] = first["prompt_logprobs"] + first["logprobs"]
+        return event
 
 
 def prompt_token_ids(tokenizer, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
@@ -44,32 +54,49 @@ def max_tokens_of(request: CompletionRequest | ChatCompletionRequest, prompt_len
     return max_tokens
 
 
+def logprobs_of(request: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """The engine's (logprobs, prompt_logprobs): what the response shows, at least the sampled tokens' logprobs for
+    best_of to rank its candidates, and the prompt's for echo with logprobs."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None, request.prompt_logprobs
+    logprobs = request.logprobs if request.logprobs is not None or request.candidates == request.n else 0
+    prompt = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        prompt = max(prompt or 0, request.logprobs)
+    return logprobs, prompt
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    logprobs, prompt_logprobs = logprobs_of(request)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                               top_k=request.top_k, min_p=request.min_p, seed=request.seed, stop=list(request.stop),
                               stop_token_ids=list(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
                               min_tokens=request.min_tokens, presence_penalty=request.presence_penalty,
                               frequency_penalty=request.frequency_penalty,
-                              repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias or {}))
+                              repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias or {}),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as exc:
         named = _FIELD_PREFIX.match(str(exc))
         raise invalid_field(named.group(1) if named else "request", str(exc)) from exc
 
 
 def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> list[Prepared]:
-    """One Prepared per choice, n per prompt in the prompts' order (OpenAI's choice indices). Blocking
-    (tokenization of a long prompt): the ingress runs it in a worker thread."""
+    """One Prepared per choice, n (best_of: best_of candidates) per prompt in the prompts' order (OpenAI's choice
+    indices). Blocking (tokenization of a long prompt): the ingress runs it in a worker thread."""
     num_prompts = len(request.prompt) if isinstance(request, CompletionRequest) else 1
-    if num_prompts * request.n > MAX_CHOICES:
-        raise invalid_field("n", f"n: {num_prompts} prompts × n={request.n} choices; at most {MAX_CHOICES} in all")
+    per_prompt, name = request.candidates, "n" if request.candidates == request.n else "best_of"
+    if num_prompts * per_prompt > MAX_CHOICES:
+        raise invalid_field(name, f"{name}: {num_prompts} prompts × {name}={per_prompt} choices; at most "
+                                  f"{MAX_CHOICES} in all")
+    echo_logprobs = bool(getattr(request, "echo", False)) and getattr(request, "logprobs", None) is not None
     prepared = []
     for token_ids, echo in zip(prompt_token_ids(tokenizer, request), echo_texts(tokenizer, request)):
         if not token_ids:
             raise invalid_field("prompt", "the prompt must not be empty")
         params = sampling_params(request, max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens))
-        seeds = [None if params.seed is None else params.seed + j for j in range(request.n)]  # n distinct draws
-        prepared += [Prepared(token_ids, replace(params, seed=seed), echo) for seed in seeds]
+        seeds = [None if params.seed is None else params.seed + j for j in range(per_prompt)]  # distinct draws
+        prepared += [Prepared(token_ids, replace(params, seed=seed), echo, echo_logprobs) for seed in seeds]
     return prepared
 
 

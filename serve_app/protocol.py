@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shadowkv_core.engine.sampling import MAX_LOGPROBS
 from shadowkv_core.engine.text import is_unicode_text
 
 MAX_STOP_STRINGS = 4
@@ -22,7 +23,7 @@ MAX_CHOICES = 16  # prompts of a batch × n: each choice is an engine request of
 # that is accepted for them); a request schema that defines one of them honours it.
 UNSUPPORTED = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0), "echo": (None, False),
+    "top_logprobs": (None, 0), "echo": (None, False),
     "suffix": (None, ""), "response_format": (None, {"type": "text"}), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,), "structural_tag": (None,), "structured_outputs": (None,),
@@ -108,6 +109,8 @@ class _SamplingFields(BaseModel):
     stop: Text | list[Text] | None = Field(default=None, validate_default=True)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    # vLLM's extension: each prompt token's logprob and its top ids' (all but the first token)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -122,6 +125,12 @@ class _SamplingFields(BaseModel):
                         data[name] == v and type(data[name]) is type(v) for v in neutral):
                     raise ValueError(f"{name}: not supported by this service (yet); leave it out")
         return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available with stream (as vLLM)")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -144,14 +153,43 @@ class _SamplingFields(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+def _no_bool(value):
+    """`false` is OpenAI's "no logprobs"; `true` is no count."""
+    if value is False:
+        return None
+    if value is True:
+        raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}]")
+    return value
+
+
 class CompletionRequest(_SamplingFields):
     prompt: list[str | list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the sampled token's and the top N's
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, prompt):
         return _prompt_list(prompt)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, value):
+        return _no_bool(value)
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be at least n ({self.n}), got {self.best_of}")
+        if self.stream and self.candidates > self.n:
+            raise ValueError("best_of: cannot stream with best_of > n (the best are known only at the end)")
+        return self
+
+    @property
+    def candidates(self) -> int:
+        """Choices generated per prompt: best_of, of which the n with the highest cumulative logprob are returned."""
+        return self.best_of or self.n
 
 
 class ChatMessage(BaseModel):
@@ -167,6 +205,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
+    @property
+    def candidates(self) -> int:
+        return self.n
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -184,11 +234,33 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text, its offset in the choice's text, its logprob and a
+    {token: logprob} of the top ones (the sampled token's included)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, one entry of prompt_logprobs' {token id: ...}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -205,10 +277,24 @@ class ResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -219,6 +305,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
 class DeltaMessage(BaseModel):
@@ -229,7 +316,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

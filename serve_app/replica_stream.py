@@ -43,7 +43,13 @@ class RequestStream:
                 return
             self.finished = output.finished
             text = output.text[len(sent_text):] if output.text.startswith(sent_text) else ""
-            yield {"text": text, "num_new_tokens": len(output.token_ids) - sent_tokens,
-                   "finished": output.finished, "finish_reason": output.finish_reason,
-                   "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+            event = {"text": text, "num_new_tokens": len(output.token_ids) - sent_tokens,
+                     "finished": output.finished, "finish_reason": output.finish_reason,
+                     "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+            if output.logprobs is not None:
+                event.update(token_ids=output.token_ids[sent_tokens:], logprobs=output.logprobs[sent_tokens:],
+                             cumulative_logprob=output.cumulative_logprob)
+            if output.prompt_logprobs is not None and not sent_tokens:
+                event.update(prompt_token_ids=output.prompt_token_ids, prompt_logprobs=output.prompt_logprobs)
+            yield event
             sent_text, sent_tokens = sent_text + text, len(output.token_ids)

@@ -1,7 +1,9 @@
 """Server-sent events and OpenAI response bodies built from the engine replica's events.
 
 An engine event is a dict: {"text": new text, "num_new_tokens", "finished", "finish_reason", "prompt_tokens",
-"completion_tokens"}, or {"error": OpenAI error body fields, "status": HTTP status} when the replica refused it.
+"completion_tokens"}, with, when the request asks for logprobs, the new "token_ids", their "logprobs" and the
+"cumulative_logprob" so far, and in the first event "prompt_logprobs" when asked for; or {"error": OpenAI error body
+fields, "status": HTTP status} when the replica refused it.
 A request of several choices (a batch of prompts, n > 1) merges its choices' events, each tagged with its "index".
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import AsyncIterator, Literal
 from pydantic import BaseModel
 
 from serve_app.errors import OpenAIError
+from serve_app.logprobs import LogprobFormatter
 from serve_app.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                 CompletionChoice, CompletionResponse, DeltaMessage, ResponseMessage, Usage)
 
@@ -88,9 +91,11 @@ class ChunkFormatter:
     (stream_options.continuous_usage_stats), every chunk carries the usage so far: those prompt tokens and the
     completion tokens until then."""
 
-    def __init__(self, kind: Kind, request_id: str, model: str, usage_prompt_tokens: int | None = None):
+    def __init__(self, kind: Kind, request_id: str, model: str, usage_prompt_tokens: int | None = None,
+                 logprobs: LogprobFormatter | None = None):
         self.kind, self.request_id, self.model = kind, request_id, model
         self.usage_prompt_tokens = usage_prompt_tokens
+        self.logprobs = logprobs
 
     @property
     def continuous_usage(self) -> bool:
@@ -102,12 +107,19 @@ class ChunkFormatter:
                                    self._so_far(0))) for i in range(num_choices)]
         return []
 
-    def delta(self, text: str, finish_reason: str | None, completion_tokens: int, index: int = 0) -> str:
+    def wants_logprobs(self, event: dict) -> bool:
+        """Whether the event brings tokens whose logprobs the request asks for (each chunk carries its tokens')."""
+        return self.logprobs is not None and self.logprobs.top is not None and bool(event.get("token_ids"))
+
+    def delta(self, text: str, finish_reason: str | None, completion_tokens: int, index: int = 0,
+              event: dict | None = None) -> str:
         usage = self._so_far(completion_tokens)
+        logprobs = None if self.logprobs is None or event is None else self.logprobs.of_event(event)
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
-            return sse(self._chat([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)], usage))
-        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            return sse(self._chat([choice], usage))
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage))
 
     def usage(self, usage: Usage) -> str:
@@ -136,9 +148,10 @@ async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_u
         async for event in events:
             raise_if_error(event)
             totals.add(event)
-            if event["text"] or event["finished"] or (fmt.continuous_usage and event["num_new_tokens"]):
+            if event["text"] or event["finished"] or (fmt.continuous_usage and event["num_new_tokens"]) or \
+                    fmt.wants_logprobs(event):
                 yield fmt.delta(event["text"], event["finish_reason"], totals.completion_tokens,
-                                event.get("index", 0))
+                                event.get("index", 0), event)
             if event["finished"] and include_usage and len(totals.finished) == num_choices:
                 yield fmt.usage(totals.usage())
     except OpenAIError as exc:
@@ -146,23 +159,56 @@ async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_u
     yield SSE_DONE
 
 
+class _Choice:
+    """One choice's events gathered: its text, finish reason, tokens and logprobs."""
+
+    def __init__(self):
+        self.parts, self.token_ids, self.logprobs = [], [], []
+        self.finish_reason, self.cumulative_logprob = None, 0.0
+        self.prompt_token_ids, self.prompt_logprobs = [], None
+
+    def add(self, event: dict) -> None:
+        self.parts.append(event["text"])
+        self.finish_reason = event["finish_reason"]
+        self.token_ids += event.get("token_ids", [])
+        self.logprobs += event.get("logprobs", [])
+        self.cumulative_logprob = event.get("cumulative_logprob", self.cumulative_logprob)
+        if "prompt_logprobs" in event:
+            self.prompt_token_ids, self.prompt_logprobs = event["prompt_token_ids"], event["prompt_logprobs"]
+
+
 async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str, num_choices: int = 1,
-                  n: int = 1) -> BaseModel:
-    """The whole (non-streaming) response body: num_choices choices merged into `events`, n of them per prompt."""
-    parts, reasons, totals = [[] for _ in range(num_choices)], [None] * num_choices, ChoiceTotals(n)
+                  n: int = 1, candidates: int | None = None, logprobs: LogprobFormatter | None = None) -> BaseModel:
+    """The whole (non-streaming) response body: num_choices choices merged into `events`, `candidates` (default n)
+    of them per prompt. With more candidates than n (best_of), the n of highest cumulative logprob are returned, the
+    best first (as vLLM), and the usage counts those."""
+    candidates = candidates or n
+    choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(candidates)
     async for event in events:
         raise_if_error(event)
-        index = event.get("index", 0)
-        parts[index].append(event["text"])
-        reasons[index] = event["finish_reason"]
+        choices[event.get("index", 0)].add(event)
         totals.add(event)
     if len(totals.finished) < num_choices:
         raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
-    texts, usage = ["".join(p) for p in parts], totals.usage()
+    kept = []
+    for start in range(0, num_choices, candidates):
+        ids = range(start, start + candidates)
+        kept += sorted(ids, key=lambda i: -choices[i].cumulative_logprob)[:n] if candidates > n else ids
+    usage = Usage.of(sum(totals.prompt[i] for i in kept) // n, sum(totals.completion[i] for i in kept))
+    fmt = logprobs if logprobs is not None and logprobs.top is not None else None
+    out = [choices[i] for i in kept]
     if kind == "chat":
-        choices = [ChatChoice(index=i, message=ResponseMessage(content=text), finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons))]
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-    choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
-               for i, (text, reason) in enumerate(zip(texts, reasons))]
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        first = out[0]
+        return ChatCompletionResponse(
+            id=request_id, model=model, usage=usage,
+            prompt_logprobs=None if logprobs is None else logprobs.prompt_logprobs(first.prompt_token_ids,
+                                                                                  first.prompt_logprobs),
+            choices=[ChatChoice(index=i, message=ResponseMessage(content="".join(c.parts)),
+                                logprobs=fmt and fmt.chat_logprobs(c.token_ids, c.logprobs),
+                                finish_reason=c.finish_reason) for i, c in enumerate(out)])
+    return CompletionResponse(id=request_id, model=model, usage=usage, choices=[
+        CompletionChoice(index=i, text="".join(c.parts), finish_reason=c.finish_reason,
+                         logprobs=fmt and fmt.completion_logprobs(c.token_ids, c.logprobs, i),
+                         prompt_logprobs=None if logprobs is None else logprobs.prompt_logprobs(c.prompt_token_ids,
+                                                                                               c.prompt_logprobs))
+        for i, c in enumerate(out)])

@@ -108,3 +108,37 @@ def test_async_decode_gives_the_sync_tokens_gpu(tiny_path, shadowkv, kwargs, tem
     assert got == want and engine.runner.graphs.replays > 0
     stats = engine.stats()
     assert (stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+def test_async_decode_gives_the_sync_logprobs_and_penalised_tokens_gpu(tiny_path):
+    """On CUDA, the penalties' device counts include the token a step still in flight drew, and each token's logprobs
+    are read back with it: async decode gives sync decode's tokens and logprobs; prompt logprobs come with the
+    prefill."""
+    def logprob_run(engine: LLMEngine) -> dict:
+        gen = torch.Generator().manual_seed(6)
+        for i, (n, m) in enumerate(zip(PROMPT_LENS, MAX_TOKENS)):
+            prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+            engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=m, temperature=0.8 * (i % 2), seed=i, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                frequency_penalty=0.7, repetition_penalty=1.2))
+        outs = {}
+        while len(outs) < len(PROMPT_LENS):
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        return outs
+
+    sync = engine_of(tiny_path, "cuda", SHADOW, async_decode=False)
+    want = logprob_run(sync)
+    sync.close()
+    engine = engine_of(tiny_path, "cuda", SHADOW)
+    got = logprob_run(engine)
+    assert engine.async_decode and not engine.counts.rows
+    for request_id, out in want.items():
+        assert got[request_id].token_ids == out.token_ids
+        assert [lp.logprob for lp in got[request_id].logprobs] == pytest.approx([lp.logprob for lp in out.logprobs],
+                                                                                abs=1e-3)
+        assert [[t for t, _ in lp.top] for lp in got[request_id].logprobs] == [[t for t, _ in lp.top]
+                                                                               for lp in out.logprobs]
+        prompt = got[request_id].prompt_logprobs
+        assert prompt[0] is None and len(prompt) == len(got[request_id].prompt_token_ids)
+        assert all(lp.logprob <= lp.top[0][1] and (lp.rank == 1) == (lp.logprob == lp.top[0][1]) for lp in prompt[1:])

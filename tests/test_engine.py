@@ -469,3 +469,53 @@ def test_a_forked_request_decodes_what_its_source_does(tiny_path, shadowkv, asyn
         for out in engine.step():
             outs[out.request_id] = out.token_ids
     assert outs["fork"] == outs["src"] == want and cache_is_empty(engine)
+
+
+def test_logprobs_and_prompt_logprobs_are_the_log_softmax_of_the_models_own_logits(llm, monkeypatch):
+    """Each output token's logprob, rank and top ids are those of log_softmax of the model's logits at its step, before
+    the request's adjustments (a logit bias and a penalty here); prompt logprobs those of one full forward over the
+    prompt, computed a few rows at a time."""
+    monkeypatch.setattr("shadowkv_core.engine.runner.PROMPT_LOGITS_ELEMENTS", 7 * llm.engine.spec.vocab_size)
+    prompts = prompts_of_lengths([40, 23], seed=41)
+    cases = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+             SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, logprobs=2, presence_penalty=1.5,
+                            logit_bias={7: 3.0})]
+    for params in cases:
+        for prompt, out in zip(prompts, llm.generate(prompts, params)):
+            want = torch.log_softmax(teacher_forced_logits(llm.engine, "auto", prompt, out.token_ids).double(), -1)
+            assert len(out.logprobs) == len(out.token_ids) == 10
+            for row, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+                assert lp.logprob == pytest.approx(float(want[row, token]), abs=1e-4)
+                assert lp.rank == int((want[row] > want[row, token] + 1e-6).sum()) + 1
+                assert [t for t, _ in lp.top] == want[row].topk(params.logprobs).indices.tolist()
+            assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+            if params.prompt_logprobs is None:
+                assert out.prompt_logprobs is None
+                continue
+            cache = DenseKVCache(CacheSpec.of(llm.engine.spec, torch.float32, "cpu", use_kernels=False),
+                                 num_blocks=64, block_size=16)
+            cache.manager.allocate(0, len(prompt), 1)
+            with torch.no_grad():
+                full = torch.log_softmax(prefill(llm.engine.model, cache, [torch.tensor(prompt)]).double(), -1)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            for pos, lp in enumerate(out.prompt_logprobs[1:]):
+                assert lp.logprob == pytest.approx(float(full[pos, prompt[pos + 1]]), abs=1e-4)
+                assert [t for t, _ in lp.top] == full[pos].topk(3).indices.tolist()
+    assert cache_is_empty(llm.engine)
+
+
+def test_async_decode_gives_the_logprobs_and_penalised_tokens_of_sync_decode(tiny_path):
+    """Under async decode the penalties count the token still in flight (on the device), and each token's logprobs
+    are read back with it."""
+    prompts = prompts_of_lengths([30, 12], seed=43)
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2, frequency_penalty=1.0),
+              SamplingParams(max_tokens=16, temperature=1.0, seed=9, ignore_eos=True, logprobs=0,
+                             repetition_penalty=1.3, presence_penalty=0.5)]
+    requests = {f"r{i}": (prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))}
+    runs = []
+    for async_decode in (False, True):
+        llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01, async_decode=async_decode)
+        outs = run_to_the_end(llm.engine, requests)
+        assert cache_is_empty(llm.engine) and not llm.engine.counts.rows
+        runs.append({k: (o.token_ids, [(lp.logprob, lp.rank, lp.top) for lp in o.logprobs]) for k, o in outs.items()})
+    assert runs[1] == runs[0]

@@ -4,7 +4,7 @@ not depend on its batch."""
 import pytest
 import torch
 
-from shadowkv_core.engine.sampler import adjust_logits, in_flight_tokens, sample
+from shadowkv_core.engine.sampler import OutputCounts, StepLogprobs, adjust_logits, sample
 from shadowkv_core.engine.sampling import SamplingParams
 from shadowkv_core.engine.sequence import Sequence
 
@@ -96,15 +96,50 @@ def test_penalties_follow_vllm_on_hand_made_logits():
     assert torch.allclose(got, want), (got, want)
 
 
-def test_penalties_count_the_token_in_flight():
-    logits = torch.zeros(2, 4)
-    params = SamplingParams(frequency_penalty=1.0)
-    seqs = [one_seq(params, [0], [1]), one_seq(params, [0], [1])]
-    pending = in_flight_tokens(torch.tensor([3, 1, 2]), [2, -1], seqs)
-    assert pending.tolist() == [2, -1]
-    got = adjust_logits(logits, seqs, [2, 1], pending=pending)
-    assert got.tolist() == [[0.0, -1.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0]]
-    assert in_flight_tokens(torch.tensor([3]), [0], [one_seq(SamplingParams(), [0], [])]) is None
+def test_output_counts_count_each_drawn_token_and_follow_forks_and_frees():
+    params = SamplingParams(temperature=0, frequency_penalty=1.0)
+    seqs = [one_seq(params, [0], [1]), one_seq(SamplingParams(temperature=0), [0], [])]
+    seqs[1].seq_id = 1
+    counts = OutputCounts(4, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 0.5, 0.2, 0.1], [0.0, 0.5, 0.2, 0.1]])
+    # row 0: id 1 is in its output (0.5 - 1); row 1 has no penalties
+    assert sample(logits, seqs, [1, 0], counts=counts).tolist() == [2, 1]
+    # the drawn id 2 is counted at once, before it reaches the output (a step in flight)
+    assert counts.of(seqs).tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0] * 4]
+    assert sample(logits, seqs, [2, 1], counts=counts).tolist() == [3, 1]
+    fork = one_seq(params, [0], [1, 2, 3])
+    fork.seq_id = 7
+    counts.copy(0, fork)
+    assert counts.of([fork]).tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    counts.free(0)
+    counts.free(7)
+    fresh = one_seq(params, [0], [3, 3])
+    fresh.seq_id = 9
+    assert counts.of([fresh]).tolist() == [[0.0, 0.0, 0.0, 2.0]]  # a reused row starts from its own output
+    assert len(counts.rows) == 1
+
+
+def test_logprobs_are_the_raw_log_softmax_with_rank_and_top_ids_for_the_rows_that_ask():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 30, generator=gen) * 2
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, top_k=5, logprobs=0, logit_bias={4: 5.0}, presence_penalty=1.0),
+              SamplingParams(temperature=1.5, logprobs=20)]
+    seqs = seqs_of(params, [1, 2, 3, 4])
+    tokens = sample(logits, seqs, [0] * 4)
+    got = StepLogprobs.of(logits, tokens, seqs).by_row()
+    assert sorted(got) == [0, 2, 3]
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row, lp in got.items():
+        token = int(tokens[row])
+        assert lp.logprob == pytest.approx(float(reference[row, token]), abs=1e-5)
+        assert lp.rank == int((reference[row] > reference[row, token]).sum()) + 1
+        k = params[row].logprobs
+        order = reference[row].argsort(descending=True)[:k]
+        assert [t for t, _ in lp.top] == order.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(reference[row, order].tolist(), abs=1e-5)
+    assert got[0].rank == 1 and got[0].top[0][0] == int(tokens[0])  # greedy: the most likely id
+    assert StepLogprobs.of(logits, tokens, seqs_of([SamplingParams()] * 4, [1, 2, 3, 4])) is None
 
 
 def test_logit_bias_and_min_tokens_change_what_greedy_picks():

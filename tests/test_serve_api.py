@@ -240,6 +240,109 @@ def test_n_choices_are_independent_draws_and_the_first_is_the_seeds(client, llm,
     assert_engine_drains(APP, within_s=2.0)
 
 
+def _same_logprobs(got: list[float | None], want, what: str) -> None:
+    assert len(got) == len(want), what
+    assert got == pytest.approx([None if w is None else w.logprob for w in want], abs=1e-4), what
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_are_the_engines_in_openais_shape(client, llm, stream):
+    """logprobs N: per token its text, offset, logprob and its top N (and itself) as {text: logprob}; streamed, each
+    chunk carries its own tokens'."""
+    want = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, logprobs=3))[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                    stream=stream)
+    if stream:
+        parts = [c.choices[0].logprobs for c in got if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [t for p in parts for t in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+    else:
+        lp = got.choices[0].logprobs
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    assert tokens == [llm.tokenizer.decode([t]) for t in want.token_ids]
+    _same_logprobs(values, want.logprobs, "token_logprobs")
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for top, token, lp in zip(tops, tokens, want.logprobs):
+        # ids whose texts coincide (bytes of one character) share an entry: the most likely one's
+        assert set(top) == {token} | {llm.tokenizer.decode([i]) for i, _ in lp.top}
+        first = {}
+        for i, v in lp.top:
+            first.setdefault(llm.tokenizer.decode([i]), v)
+        assert [top[text] for text in first] == pytest.approx(list(first.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_and_top_logprobs_through_the_sdk(client, llm, stream):
+    want = llm.generate([_chat_ids(llm, "hi")], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=2, stream=stream)
+    if stream:
+        content = [t for c in got if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    else:
+        content = got.choices[0].logprobs.content
+    assert [t.token for t in content] == [llm.tokenizer.decode([t]) for t in want.token_ids]
+    _same_logprobs([t.logprob for t in content], want.logprobs, "logprob")
+    for token, lp in zip(content, want.logprobs):
+        assert token.bytes == list(token.token.encode("utf-8"))
+        assert [t.token for t in token.top_logprobs] == [llm.tokenizer.decode([i]) for i, _ in lp.top]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_give_the_prompts_logprobs(client, llm):
+    want = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2))[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"prompt_logprobs": 1})
+    choice = got.choices[0]
+    ids = want.prompt_token_ids + want.token_ids
+    assert choice.logprobs.tokens == [llm.tokenizer.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    _same_logprobs(choice.logprobs.token_logprobs, want.prompt_logprobs + want.logprobs, "echo")
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(want.prompt_token_ids)
+    for token, entries, lp in zip(want.prompt_token_ids[1:], prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert entries[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+        assert entries[str(token)]["rank"] == lp.rank
+        top_id = str(lp.top[0][0])
+        assert entries[top_id]["rank"] == 1 and entries[top_id]["decoded_token"] == llm.tokenizer.decode([lp.top[0][0]])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    entries, ids = chat.model_extra["prompt_logprobs"], _chat_ids(llm, "hi")
+    assert entries[0] is None and [list(e) for e in entries[1:]] == [[str(t)] for t in ids[1:]]
+
+
+def test_best_of_returns_the_candidate_of_highest_cumulative_logprob(client, llm):
+    """best_of 2 of this two-slot service: both candidates run, the one of higher cumulative logprob is returned."""
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=11 + j, ignore_eos=True, logprobs=0) for j in range(2)]
+    candidates = [llm.generate([PROMPT], p)[0] for p in params]
+    best = max(candidates, key=lambda o: o.cumulative_logprob)
+    assert candidates[0].text != candidates[1].text  # the choice means something
+    for extra in ({}, {"logprobs": 1}):
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11,
+                                        best_of=2, extra_body={"ignore_eos": True}, **extra)
+        assert [c.text for c in got.choices] == [best.text] and got.usage.completion_tokens == 8
+        if not extra:
+            assert got.choices[0].logprobs is None  # ranked by logprobs the request did not ask to see
+            continue
+        assert sum(got.choices[0].logprobs.token_logprobs) == pytest.approx(best.cumulative_logprob, abs=1e-3)
+    assert_engine_drains(APP, within_s=2.0)
+
+
+def _successes(url) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def test_request_success_counts_each_finished_choice_as_vllm_does(client, url):
+    before = _successes(url)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2)
+    client.completions.create(model=MODEL, prompt=[PROMPT, "Once"], max_tokens=3)
+    assert _successes(url) - before == 4
+
+
 def test_models_health_metrics(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
@@ -265,7 +368,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
 ]

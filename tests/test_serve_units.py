@@ -14,12 +14,15 @@ from serve_app.admission import AdmissionGate, CapacityBoard
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
+from serve_app.logprobs import LogprobFormatter
 from serve_app.metrics import ServiceMetrics
+from serve_app.prepare import logprobs_of, prepare
 from serve_app.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from serve_app.router import MemoryAwareRouter
 from serve_app.security import OPEN_PATHS, GuardSettings, RequestGuard
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_stream
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
+from shadowkv_core.engine.sequence import TokenLogprob
 from shadowkv_core.tiny_model import build_tiny_model
 
 GIB = 1 << 30
@@ -62,7 +65,8 @@ async def _drain(agen):
 def test_request_schemas_refuse_what_they_cannot_honour():
     assert CompletionRequest(model="m", prompt="hi").prompt == ["hi"]
     for bad in ({"n": 17}, {"n": 0}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"stop": ["x"] * 5},
-                {"stop": [""]}, {"prompt": ""}, {"logprobs": 2}, {"best_of": 3},
+                {"stop": [""]}, {"prompt": ""}, {"logprobs": 21}, {"logprobs": True}, {"best_of": 3, "stream": True},
+                {"n": 2, "best_of": 1}, {"prompt_logprobs": 1, "stream": True}, {"top_logprobs": 2},
                 {"presence_penalty": 2.5}, {"min_p": 2}, {"logit_bias": {"5": 101}}, {"min_tokens": -1},
                 {"tools": [{"type": "function"}]}):
         with pytest.raises(ValidationError):
@@ -71,6 +75,10 @@ def test_request_schemas_refuse_what_they_cannot_honour():
         ChatCompletionRequest(model="m", messages=[{"role": "robot", "content": "x"}])
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
+    chat = [{"role": "user", "content": "x"}]
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}, {"best_of": 2}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            ChatCompletionRequest(model="m", messages=chat, **bad)
     assert CompletionRequest(model="m", prompt="hi", stop="x").stop == ["x"]
     assert CompletionRequest(model="m", prompt="hi", logprobs=None, best_of=1, presence_penalty=0, user="u")
 
@@ -241,6 +249,111 @@ def test_several_choices_collect_and_stream_with_one_usage():
     assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # each choice's role chunk
     assert [c for c in chunks if c["usage"]] == [chunks[-1]] and chunks[-1]["usage"]["completion_tokens"] == 4
     assert lines[-1] == SSE_DONE
+
+
+LETTERS = SimpleNamespace(decode=lambda ids: "".join(chr(ord("a") + i) for i in ids))  # id i is the i-th letter
+
+
+def _lp(token, logprob):
+    """A token's logprobs with the top 3 ids: 0, 1, 2 at -0.5, -1.5, -2.5."""
+    return TokenLogprob(logprob, 1 if token == 0 else 2, ((0, -0.5), (1, -1.5), (2, -2.5)))
+
+
+def _scored(tokens_per_event, cumulative, prompt=(3, 4)):
+    """One choice's events: each brings its token ids with their logprobs; the prompt's logprobs come first."""
+    async def gen():
+        total = 0
+        for i, tokens in enumerate(tokens_per_event):
+            last = i == len(tokens_per_event) - 1
+            total += len(tokens)
+            event = {"text": LETTERS.decode(tokens), "num_new_tokens": len(tokens), "finished": last,
+                     "finish_reason": "length" if last else None, "prompt_tokens": len(prompt),
+                     "completion_tokens": total, "token_ids": tokens, "logprobs": [_lp(t, -1.0) for t in tokens],
+                     "cumulative_logprob": cumulative}
+            if i == 0:
+                event.update(prompt_token_ids=list(prompt), prompt_logprobs=[None, _lp(4, -3.0)])
+            yield event
+    return gen()
+
+
+def test_completion_and_chat_logprobs_in_openais_shapes():
+    request = CompletionRequest(model="m", prompt="x", logprobs=2, prompt_logprobs=1)
+    body = asyncio.run(collect(_scored([[2], [0, 5]], -3.0), "completion", "c", "m",
+                               logprobs=LogprobFormatter(LETTERS, request)))
+    logprobs = body.choices[0].logprobs
+    assert logprobs.tokens == ["c", "a", "f"] and logprobs.text_offset == [0, 1, 2]
+    assert logprobs.token_logprobs == [-1.0, -1.0, -1.0]
+    # the top 2, and the sampled token beside them when it is not one of them
+    assert logprobs.top_logprobs == [{"a": -0.5, "b": -1.5, "c": -1.0}, {"a": -0.5, "b": -1.5},
+                                     {"a": -0.5, "b": -1.5, "f": -1.0}]
+    assert body.model_dump()["choices"][0]["prompt_logprobs"] == [
+        None, {0: {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+               4: {"logprob": -3.0, "rank": 2, "decoded_token": "e"}}]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                 top_logprobs=1)
+    body = asyncio.run(collect(_scored([[2]], -1.0), "chat", "c", "m", logprobs=LogprobFormatter(LETTERS, chat)))
+    assert body.model_dump()["choices"][0]["logprobs"] == {"content": [
+        {"token": "c", "logprob": -1.0, "bytes": [99], "top_logprobs": [{"token": "a", "logprob": -0.5,
+                                                                         "bytes": [97]}]}]}
+    assert body.prompt_logprobs is None
+    plain = asyncio.run(collect(_scored([[2]], -1.0), "chat", "c", "m",
+                                logprobs=LogprobFormatter(LETTERS, ChatCompletionRequest(model="m", messages=chat.messages))))
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_each_streamed_chunk_carries_its_tokens_logprobs(kind):
+    request = CompletionRequest(model="m", prompt="x", logprobs=1, stream=True) if kind == "completion" else \
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=1,
+                              stream=True)
+    events = _scored([[2], [0, 5], [1]], -4.0)
+
+    async def with_a_silent_event():
+        async for event in events:
+            yield {**event, "text": ""} if event["token_ids"] == [0, 5] else event  # text held back: no text yet
+    fmt = ChunkFormatter(kind, "c", "m", logprobs=LogprobFormatter(LETTERS, request))
+    lines = asyncio.run(_drain(sse_stream(with_a_silent_event(), fmt, include_usage=False)))
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    if kind == "chat":
+        tokens = [[t["token"] for t in c["logprobs"]["content"]] for c in chunks[1:]]
+        assert tokens == [["c"], ["a", "f"], ["b"]]
+        assert chunks[2]["logprobs"]["content"][1]["top_logprobs"] == [{"token": "a", "logprob": -0.5,
+                                                                        "bytes": [97]}]
+    else:
+        assert [c["logprobs"]["tokens"] for c in chunks] == [["c"], ["a", "f"], ["b"]]
+        assert [c["logprobs"]["text_offset"] for c in chunks] == [[0], [1, 2], [3]]  # counting on across chunks
+
+
+def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob_and_counts_their_usage():
+    async def candidates():
+        streams = [_scored([[1]], -5.0), _scored([[3]], -2.0), _scored([[2, 2]], -1.0)]
+        async for event in merge([await anext(s) for s in streams], streams):
+            yield event
+    body = asyncio.run(collect(candidates(), "completion", "c", "m", num_choices=3, n=2, candidates=3,
+                               logprobs=LogprobFormatter(LETTERS, CompletionRequest(model="m", prompt="x", n=2,
+                                                                                   best_of=3))))
+    assert [(c.index, c.text) for c in body.choices] == [(0, "cc"), (1, "d")]  # -1 then -2; -5 left out
+    assert body.choices[0].logprobs is None  # best_of ranks by logprobs the request did not ask to see
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (2, 3)
+
+
+def test_prepare_asks_the_engine_for_what_logprobs_best_of_and_echo_need():
+    tokenizer = None  # prompts of token ids
+    ids = [5, 6, 7]
+    plain, = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2), 64, 8)
+    assert (plain.params.logprobs, plain.params.prompt_logprobs) == (None, None)
+    best = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2, n=2, best_of=3), 64, 8)
+    assert len(best) == 3 and {p.params.logprobs for p in best} == {0}
+    echo, = prepare(LETTERS, CompletionRequest(model="m", prompt=[ids], max_tokens=2, echo=True, logprobs=3), 64, 8)
+    assert (echo.params.logprobs, echo.params.prompt_logprobs) == (3, 3)
+    first = {"text": "i", "token_ids": [8], "logprobs": [_lp(8, -1.0)], "prompt_logprobs": [None, _lp(6, -2.0),
+                                                                                              _lp(7, -2.0)]}
+    echoed = echo.echoed(first)
+    assert echoed["text"] == "fghi" and echoed["token_ids"] == ids + [8]
+    assert echoed["logprobs"][0] is None and len(echoed["logprobs"]) == 4
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    assert logprobs_of(chat) == (0, None)
+    assert logprobs_of(chat.model_copy(update={"top_logprobs": 4})) == (4, None)
 
 
 def test_collect_builds_one_body_with_usage():

@@ -14,10 +14,10 @@ from ..shadowkv.hybrid import HybridCache
 from ..transfers import Readback
 from .cache_factory import build_cache
 from .runner import ModelRunner, PrefillJob
-from .sampler import in_flight_tokens, sample
+from .sampler import OutputCounts, StepLogprobs, sample, unpack_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from .text import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class InFlightDecode:
     tokens: torch.Tensor  # (B,) int64 sampled tokens on the device: the next step's inputs
     readback: Readback
     rows: dict[int, int]  # seq_id -> its row
+    logprobs: StepLogprobs | None  # those of its tokens, for the requests that ask
     release: list[Sequence] = field(default_factory=list)  # finished while it ran: their caches freed once it has
 
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache.manager, config.max_num_seqs, config.max_prefill_tokens,
                                    config.max_waiting)
         self.async_decode = choose(config.async_decode, cuda)
+        self.counts = OutputCounts(self.spec.vocab_size, self.device)  # the penalties' output counts
         self.in_flight: InFlightDecode | None = None
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
@@ -129,8 +131,11 @@ class LLMEngine:
             return outputs
         seq = Sequence(next(self._seq_ids), new_request_id, src.prompt_token_ids, src.params, self._next_seed(None))
         seq.output_token_ids, seq.text = list(src.output_token_ids), src.text
+        seq.prompt_logprobs, seq.cumulative_logprob = src.prompt_logprobs, src.cumulative_logprob
+        seq.output_logprobs = None if src.output_logprobs is None else list(src.output_logprobs)
         self.scheduler.start_running(seq)
         try:
+            self.counts.copy(src.seq_id, seq)
             self.cache.copy_sequence(src.seq_id, seq.seq_id)
         except Exception:
             self.scheduler.finish(seq)  # a copy that failed leaves nothing held
@@ -183,10 +188,19 @@ class LLMEngine:
         if self.prefill_job is not None:
             job = self.prefill_job
             num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)
-            outputs += self._run(lambda seqs: self.runner.advance_prefill(job, num_layers), job.seqs)
+            outputs += self._run(lambda seqs: self._advance_prefill(job, num_layers), job.seqs)
             if job.next_layer == self.runner.num_layers:
                 self._time_prefill(job.num_tokens)
         return outputs
+
+    def _advance_prefill(self, job: PrefillJob, num_layers: int) -> torch.Tensor | None:
+        """The runner's advance_prefill; once it has run every layer, the prompt logprobs go to the sequences that
+        asked for them."""
+        logits = self.runner.advance_prefill(job, num_layers)
+        for i, packed in job.prompt_logprobs.items():
+            seq = job.seqs[i]
+            seq.prompt_logprobs = [None, *unpack_logprobs(packed.tolist(), [seq.params.prompt_logprobs] * len(packed))]
+        return logits
 
     def drain_in_flight(self) -> list[RequestOutput]:
         """Read back the decode step in flight (async decode), if any: after it every request's tokens are those its
@@ -222,17 +236,19 @@ class LLMEngine:
         still to run) produces nothing yet."""
         try:
             logits = forward(seqs)
-            tokens = None if logits is None else sample(logits, seqs, eos_token_ids=self.eos_ids).tolist()
+            if logits is None:
+                return []
+            drawn = sample(logits, seqs, eos_token_ids=self.eos_ids, counts=self.counts)
+            logprobs = StepLogprobs.of(logits, drawn, seqs)
+            tokens, by_row = drawn.tolist(), {} if logprobs is None else logprobs.by_row()
         except Exception as exc:
             self._fail(seqs, exc)
             return [seq.output(0) for seq in seqs]
-        if tokens is None:
-            return []
-        for seq, token in zip(list(seqs), tokens):
+        for row, (seq, token) in enumerate(zip(list(seqs), tokens)):
             if seq.status is SequenceStatus.PREFILLING:
                 seq.status = SequenceStatus.RUNNING
                 self.prefill_job = None
-            self._append(seq, token)
+            self._append(seq, token, by_row.get(row))
         return [seq.output(1) for seq in seqs]
 
     def _launch(self, seqs: list[Sequence], prev: InFlightDecode | None) -> list[RequestOutput]:
@@ -242,14 +258,14 @@ class LLMEngine:
         index = [len(seq.output_token_ids) + (row >= 0) for seq, row in zip(seqs, rows or [-1] * len(seqs))]
         try:
             logits = self.runner.decode(seqs, None if prev is None else prev.tokens, rows)
-            pending = None if prev is None else in_flight_tokens(prev.tokens, rows, seqs)
-            tokens = sample(logits, seqs, index, self.eos_ids, pending)
+            tokens = sample(logits, seqs, index, self.eos_ids, self.counts)
+            logprobs = StepLogprobs.of(logits, tokens, seqs)
         except Exception as exc:
             self._fail(seqs, exc)  # while `prev` is in flight: the caches it uses are freed once it is read back
             self.in_flight = None
             return [seq.output(0) for seq in seqs]
         self.in_flight = InFlightDecode(list(seqs), tokens, Readback(tokens),
-                                        {seq.seq_id: i for i, seq in enumerate(seqs)})
+                                        {seq.seq_id: i for i, seq in enumerate(seqs)}, logprobs)
         return []
 
     def _read_back(self, job: InFlightDecode | None) -> list[RequestOutput]:
@@ -259,22 +275,26 @@ class LLMEngine:
             return []
         try:
             tokens = job.readback.tolist()
+            by_row = {} if job.logprobs is None else job.logprobs.by_row()
         except Exception as exc:
             failed = [seq for seq in job.seqs if not seq.is_finished]
             self._fail(failed, exc)
             outputs = [seq.output(0) for seq in failed]
         else:
             outputs = []
-            for seq, token in zip(job.seqs, tokens):
+            for row, (seq, token) in enumerate(zip(job.seqs, tokens)):
                 if not seq.is_finished:
-                    self._append(seq, token)
+                    self._append(seq, token, by_row.get(row))
                     outputs.append(seq.output(1))
         for seq in job.release:
             self.cache.manager.free(seq.seq_id)
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
         params = seq.params
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         length = len(seq.output_token_ids) >= params.max_tokens
@@ -297,6 +317,7 @@ class LLMEngine:
             self.prefill_job = self.prefill_job.without(seq)
         held = self.in_flight is not None and seq.seq_id in self.in_flight.rows
         self.scheduler.finish(seq, free=not held)
+        self.counts.free(seq.seq_id)
         if held:
             self.in_flight.release.append(seq)
         self.requests.pop(seq.request_id, None)

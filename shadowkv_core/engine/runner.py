@@ -4,14 +4,17 @@ A prefill is a PrefillJob: its prompts' hidden states advance a few layers per e
 prefill token budget buys), so one long prompt never stalls the running decodes for its whole prefill."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.base import AttentionMetadata, KVCache
 from ..transfers import to_device
 from .cuda_graphs import DecodeGraphs
+from .sampler import token_logprobs
 from .sequence import Sequence
+
+PROMPT_LOGITS_ELEMENTS = 1 << 24  # prompt logprobs: logits computed a slice of rows at a time, rows × vocab at most
 
 
 @dataclass
@@ -20,6 +23,9 @@ class PrefillJob:
     meta: AttentionMetadata
     hidden: torch.Tensor  # (T, hidden) after layers [0, next_layer)
     next_layer: int = 0
+    # once every layer has run: {index in seqs: sampler.token_logprobs of its prompt tokens after the first}, for the
+    # sequences that ask for prompt logprobs
+    prompt_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +70,7 @@ class ModelRunner:
     @torch.inference_mode()
     def advance_prefill(self, job: PrefillJob, num_layers: int) -> torch.Tensor | None:
         """Run the job's next `num_layers` layers; when it has run them all, (B, vocab) float32 logits of each
-        prompt's last token, else None."""
+        prompt's last token (and the job's prompt_logprobs), else None."""
         end = min(job.next_layer + num_layers, self.num_layers)
         job.hidden = self.model.forward_layers(job.hidden, job.meta.positions, self.cache, job.meta,
                                                job.next_layer, end)
@@ -72,8 +78,24 @@ class ModelRunner:
         if end < self.num_layers:
             return None
         self.cache.finish_forward(job.meta)
+        job.prompt_logprobs = {i: self._prompt_logprobs(job, i) for i, seq in enumerate(job.seqs)
+                               if seq.params.prompt_logprobs is not None}
         last = torch.tensor(job.meta.query_lens).cumsum(0) - 1
         return self.model.compute_logits(self.model.final_norm(job.hidden[last.to(self.device)]))
+
+    def _prompt_logprobs(self, job: PrefillJob, i: int) -> torch.Tensor:
+        """token_logprobs of job.seqs[i]'s prompt tokens after the first, each from the logits of the position
+        before it; the logits are computed a slice at a time, so a long prompt never holds all of them."""
+        seq, start = job.seqs[i], job.meta.query_starts[i]
+        k = seq.params.prompt_logprobs
+        targets = torch.tensor(seq.prompt_token_ids[1:], dtype=torch.int64).to(self.device)
+        rows = max(1, PROMPT_LOGITS_ELEMENTS // self.model.spec.vocab_size)
+        parts = [torch.empty(0, 2 + 2 * k, dtype=torch.float64, device=self.device)]
+        for a in range(0, len(targets), rows):
+            hidden = job.hidden[start + a:start + min(a + rows, len(targets))]
+            logits = self.model.compute_logits(self.model.final_norm(hidden))
+            parts.append(token_logprobs(logits, targets[a:a + rows], k))
+        return torch.cat(parts)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top logprobs a token may ask for, as vLLM's default max_logprobs
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
@@ -27,7 +28,9 @@ class SamplingParams:
     are masked until that many tokens are out. Penalties, as vLLM applies them: presence_penalty and
     frequency_penalty subtract from the logits of ids in the output (once, and per occurrence); repetition_penalty
     divides positive (multiplies negative) logits of ids in the prompt or the output. logit_bias: {token id: bias}
-    added to the logits."""
+    added to the logits. logprobs: report each output token's logprob and the top `logprobs` ids' (0: the token's
+    only; None: nothing), those of the model's raw distribution, before any of the adjustments above; prompt_logprobs:
+    the same for each prompt token after the first, computed during the prefill."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -43,6 +46,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -64,6 +69,10 @@ class SamplingParams:
                f"must be a number > 0, got {self.repetition_penalty!r}")
         _check(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in dict(self.logit_bias).items()), "logit_bias",
                "must map token ids (integers >= 0) to finite numbers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)

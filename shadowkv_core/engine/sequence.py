@@ -14,6 +14,16 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's logprob under the model's distribution, its rank in it (1: the most likely id), and the `top`
+    most likely ids with their logprobs, most likely first (as many as the request asked for)."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -24,6 +34,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asks for logprobs
+    cumulative_logprob: float | None = None  # the sum of those logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), when asked
 
 
 class Sequence:
@@ -39,6 +52,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.error: str | None = None
+        self.output_logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -63,5 +79,7 @@ class Sequence:
 
     def output(self, num_new: int) -> RequestOutput:
         new = self.output_token_ids[len(self.output_token_ids) - num_new:] if num_new else []
+        logprobs = None if self.output_logprobs is None else list(self.output_logprobs)
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), new, self.text,
-                             self.is_finished, self.finish_reason, self.error)
+                             self.is_finished, self.finish_reason, self.error, logprobs,
+                             None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs)
