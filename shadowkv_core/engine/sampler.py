@@ -15,6 +15,7 @@ import torch
 
 from ..transfers import to_device
 from .sequence import Sequence
+from .structured import allowed_mask
 
 _U32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # spreads consecutive vocabulary ids over the hash's input space
@@ -115,6 +116,17 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], index: list[int], 
     return logits
 
 
+def mask_by_grammar(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (B, V) with every id its row's grammar (structured output) does not allow next at -inf; the same tensor
+    when no row has a grammar. Each grammar must be at the row's last token: no step of it may be in flight."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    allowed[rows] = allowed_mask([seqs[row].grammar.bitmask() for row in rows], logits.shape[1], logits.device)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """logits (B, V) with every id less likely than min_p (B,) times the row's most likely id set to -inf."""
     floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None])
@@ -144,7 +156,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], token_index: list[int] | 
     eos_token_ids: the model's end-of-sequence ids (masked under min_tokens). pending (B,) int64: the token each row
     has in flight and not yet in its output (async decode; -1: none), counted by the penalties."""
     index = token_index or [len(seq.output_token_ids) for seq in seqs]
-    logits = adjust_logits(logits, seqs, index, eos_token_ids, pending)
+    logits = adjust_logits(mask_by_grammar(logits, seqs), seqs, index, eos_token_ids, pending)
     if all(seq.params.is_greedy for seq in seqs):
         return logits.argmax(dim=-1)
     B, V = logits.shape

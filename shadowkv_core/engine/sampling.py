@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured import GuidedDecoding
+
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
@@ -27,7 +29,7 @@ class SamplingParams:
     are masked until that many tokens are out. Penalties, as vLLM applies them: presence_penalty and
     frequency_penalty subtract from the logits of ids in the output (once, and per occurrence); repetition_penalty
     divides positive (multiplies negative) logits of ids in the prompt or the output. logit_bias: {token id: bias}
-    added to the logits."""
+    added to the logits. guided: structured output, a grammar the output must match (structured.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -43,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self):
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -64,6 +67,8 @@ class SamplingParams:
                f"must be a number > 0, got {self.repetition_penalty!r}")
         _check(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in dict(self.logit_bias).items()), "logit_bias",
                "must map token ids (integers >= 0) to finite numbers")
+        _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
+               f"must be a GuidedDecoding, got {self.guided!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)

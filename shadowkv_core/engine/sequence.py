@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass
 
 from .sampling import SamplingParams
+from .structured import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +40,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.error: str | None = None
+        self.grammar: Grammar | None = None  # structured output: the ids its next token may be
 
     @property
     def prompt_len(self) -> int:
