@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from serve_app.errors import OpenAIError
 from serve_app.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                 CompletionChoice, CompletionResponse, DeltaMessage, ResponseMessage, Usage)
+from serve_app.tools import ToolStream, parse
 
 SSE_DONE = "data: [DONE]\n\n"
 Kind = Literal["completion", "chat"]
@@ -86,11 +87,14 @@ class ChoiceTotals:
 class ChunkFormatter:
     """Builds one stream's chunks, in the shape of `kind`'s OpenAI streaming response. With `usage_prompt_tokens`
     (stream_options.continuous_usage_stats), every chunk carries the usage so far: those prompt tokens and the
-    completion tokens until then."""
+    completion tokens until then. With `tool_family` (chat with tools), each choice's text goes through a ToolStream:
+    its tool calls come as tool_calls deltas, and a choice that called a tool finishes with "tool_calls"."""
 
-    def __init__(self, kind: Kind, request_id: str, model: str, usage_prompt_tokens: int | None = None):
+    def __init__(self, kind: Kind, request_id: str, model: str, usage_prompt_tokens: int | None = None,
+                 tool_family: str | None = None):
         self.kind, self.request_id, self.model = kind, request_id, model
         self.usage_prompt_tokens = usage_prompt_tokens
+        self.tool_family, self.tool_streams = tool_family, {}
 
     @property
     def continuous_usage(self) -> bool:
@@ -104,11 +108,27 @@ class ChunkFormatter:
 
     def delta(self, text: str, finish_reason: str | None, completion_tokens: int, index: int = 0) -> str:
         usage = self._so_far(completion_tokens)
+        if self.kind == "chat" and self.tool_family is not None:
+            return self._tool_deltas(text, finish_reason, usage, index)
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
             return sse(self._chat([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)], usage))
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
         return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage))
+
+    def _tool_deltas(self, text: str, finish_reason: str | None, usage: Usage | None, index: int) -> str:
+        """The chunks of one event of a chat with tools: its content and whole tool calls so far, the last chunk
+        carrying the finish reason (and the usage so far)."""
+        stream = self.tool_streams.setdefault(index, ToolStream(self.tool_family))
+        fields = stream.feed(text) + (stream.finish() if finish_reason else [])
+        if finish_reason and stream.num_calls:
+            finish_reason = "tool_calls"
+        if not fields and finish_reason:
+            fields = [{}]
+        chunks = [ChatChunkChoice(index=index, delta=DeltaMessage(**f)) for f in fields]
+        if chunks:
+            chunks[-1].finish_reason = finish_reason
+        return "".join(sse(self._chat([c], usage)) for c in chunks)
 
     def usage(self, usage: Usage) -> str:
         if self.kind == "chat":
@@ -147,8 +167,9 @@ async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_u
 
 
 async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str, num_choices: int = 1,
-                  n: int = 1) -> BaseModel:
-    """The whole (non-streaming) response body: num_choices choices merged into `events`, n of them per prompt."""
+                  n: int = 1, tool_family: str | None = None) -> BaseModel:
+    """The whole (non-streaming) response body: num_choices choices merged into `events`, n of them per prompt;
+    with `tool_family`, each chat choice's text parsed into content and tool calls."""
     parts, reasons, totals = [[] for _ in range(num_choices)], [None] * num_choices, ChoiceTotals(n)
     async for event in events:
         raise_if_error(event)
@@ -160,9 +181,16 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
         raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
     texts, usage = ["".join(p) for p in parts], totals.usage()
     if kind == "chat":
-        choices = [ChatChoice(index=i, message=ResponseMessage(content=text), finish_reason=reason)
-                   for i, (text, reason) in enumerate(zip(texts, reasons))]
+        choices = [_chat_choice(i, text, reason, tool_family) for i, (text, reason) in enumerate(zip(texts, reasons))]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     choices = [CompletionChoice(index=i, text=text, finish_reason=reason)
                for i, (text, reason) in enumerate(zip(texts, reasons))]
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+
+def _chat_choice(index: int, text: str, reason: str | None, tool_family: str | None) -> ChatChoice:
+    if tool_family is None:
+        return ChatChoice(index=index, message=ResponseMessage(content=text), finish_reason=reason)
+    content, calls = parse(tool_family, text)
+    return ChatChoice(index=index, message=ResponseMessage(content=content, tool_calls=calls or None),
+                      finish_reason="tool_calls" if calls else reason)
