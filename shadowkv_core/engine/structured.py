@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import llguidance
 import llguidance.gbnf_to_lark
@@ -101,24 +100,20 @@ class Grammar:
 
 class GrammarCompiler:
     """Builds each constrained request's `Grammar` over one tokenizer; `vocab_size` ids (the logits' width): ids the
-    tokenizer lacks are never allowed."""
+    tokenizer lacks are never allowed. The tokenizer is read once, here (a second for a 128K vocabulary), so that no
+    request's step waits for it."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
-
-    @cached_property
-    def _lltokenizer(self) -> llguidance.LLTokenizer:
-        """The tokenizer as llguidance reads it: built once, on the first constrained request."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            raise ValueError("structured output needs a fast (tokenizers) tokenizer; this model has none")
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                      eos_token=list(self.eos_token_ids) or None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.lltokenizer = None if backend is None else llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        self.missing = ("this model ships no tokenizer" if tokenizer is None else
+                        "this model's tokenizer is not a fast (tokenizers) one")
 
     def grammar(self, guided: GuidedDecoding) -> Grammar:
-        if self.tokenizer is None:
-            raise ValueError(f"{guided.source}: this model ships no tokenizer, which structured output needs")
-        matcher = llguidance.LLMatcher(self._lltokenizer, guided.grammar)
+        if self.lltokenizer is None:
+            raise ValueError(f"{guided.source}: structured output needs the model's tokenizer; {self.missing}")
+        matcher = llguidance.LLMatcher(self.lltokenizer, guided.grammar)
         if matcher.is_error():
             raise ValueError(f"{guided.source}: cannot compile: {matcher.get_error()}")
         return Grammar(matcher)
