@@ -16,7 +16,7 @@ import jinja2.meta
 
 from serve_app.errors import invalid_field
 from serve_app.structured import compile_guided
-from shadowkv_core.engine.structured import GuidedDecoding
+from shadowkv_core.engine.structured import COMPACT_JSON, GuidedDecoding
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -186,7 +186,7 @@ def forced_call(family: str, tools: list[dict], choice) -> GuidedDecoding | None
             raise invalid_field("tool_choice", f"tool_choice: no tool named {choice['function']['name']!r} in tools")
     schemas = [_call_schema(family, t) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    call = "%json " + json.dumps(schema)
+    call = "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
     lark = f'start: "{_HERMES_OPEN}\\n" call "\\n{_HERMES_CLOSE}"\ncall: {call}' if family == HERMES else \
         f"start: {call}"
     return compile_guided("tool_choice", "grammar", lark)

@@ -1,11 +1,12 @@
 """Structured output and tool calling through the OpenAI API, on a real local Ray Serve instance (CPU, a tiny random
-model whose chat template declares tools in the Hermes format), with the official `openai` SDK; and the tool-call
-parsers on their own."""
+model whose chat template declares tools in the Hermes format), with the official `openai` SDK and LangChain's
+ChatOpenAI; and the tool-call parsers on their own."""
 import json
 import re
 
 import httpx
 import jsonschema
+import langchain_openai
 import openai
 import pydantic
 import pytest
@@ -176,6 +177,45 @@ def test_auto_and_a_conversation_with_tool_results(client):
                                          tool_choice="none")
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
     assert_engine_drains(APP, within_s=5.0)
+
+
+# ---- LangChain ------------------------------------------------------------------------------------------------
+class Trip(pydantic.BaseModel):
+    """A trip."""
+
+    city: str = pydantic.Field(max_length=8)
+    days: int = pydantic.Field(le=14)
+
+
+def _chat_openai(url: str, **kw):
+    return langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                       max_tokens=300, **kw)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(url, method):
+    """ChatOpenAI.with_structured_output: json_schema sends response_format, function_calling a forced tool call."""
+    structured = _chat_openai(url, seed=11).with_structured_output(Trip, method=method, strict=True)
+    assert isinstance(structured.invoke("Plan a trip"), Trip)
+    assert all(isinstance(t, Trip) for t in structured.batch(["Plan a trip", "Another one"]))
+
+
+def test_langchain_bind_tools_invoke_and_stream(url):
+    class get_weather(pydantic.BaseModel):  # noqa: N801 (the tool's name)
+        """The weather in a city over some days."""
+
+        city: str = pydantic.Field(max_length=8)
+        days: int = pydantic.Field(le=14)
+
+    llm = _chat_openai(url, seed=12).bind_tools([get_weather], tool_choice="get_weather", strict=True)
+    call = llm.invoke("Weather in Paris?").tool_calls[0]
+    assert call["name"] == "get_weather" and get_weather(**call["args"])
+    merged = None
+    for chunk in llm.stream("Weather in Paris?"):
+        merged = chunk if merged is None else merged + chunk
+    streamed = merged.tool_calls[0]
+    assert streamed["name"] == "get_weather" and get_weather(**streamed["args"])
+    assert merged.response_metadata["finish_reason"] == "tool_calls"
 
 
 # ---- the parsers ----------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ import llguidance.gbnf_to_lark
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar")
-# JSON as compact as OpenAI's and vLLM's: whitespace only where the schema's strings hold it
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON as compact as OpenAI's and vLLM's: whitespace only where the schema's strings hold it (a JSON schema's
+# compile options; inside a Lark grammar's %json, its "x-guidance" key)
+COMPACT_JSON = {"whitespace_flexible": False}
 
 
 def _lark_grammar(text: str) -> str:
@@ -51,7 +52,7 @@ class GuidedDecoding:
             if self.kind == "json":
                 if not isinstance(self.spec, dict):
                     raise ValueError("a JSON schema must be an object")
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.spec, overrides=_JSON_OPTIONS)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.spec, overrides=COMPACT_JSON)
             elif self.kind == "regex":
                 if not isinstance(self.spec, str):
                     raise ValueError("a regular expression must be a string")
