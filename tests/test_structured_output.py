@@ -9,6 +9,7 @@ import pytest
 from shadowkv_core import LLM, SamplingParams
 from shadowkv_core.engine.structured import GuidedDecoding
 from shadowkv_core.tiny_model import build_tiny_model
+from support.cli import run_module
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "maximum": 120},
@@ -126,3 +127,15 @@ def test_fork_copies_the_grammar_state(llm):
     for name in ("src", "copy"):
         jsonschema.validate(json.loads(done[name].text), SCHEMA)
 
+
+
+def test_mask_benchmark_walks_the_document_under_the_schema(tmp_path):
+    """benchmarks/structured_mask.py, as its users run it, with llguidance on the shipped vocabulary: the walk reaches
+    the end of the document (one token per step, end-of-sequence allowed there) and writes its row."""
+    out = tmp_path / "mask.jsonl"
+    run_module("benchmarks.structured_mask", "--lib", "llguidance", "--repeats", "1", "--out", str(out),
+               timeout_s=120)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["lib"] == "llguidance" and row["vocab"] == "shadowkv-small" and row["vocab_size"] == 262
+    assert row["tokens_per_document"] == 190  # byte tokens: one per byte of the document
+    assert row["mask_us_median"] > 0 and row["first_compile_ms"] > 0
