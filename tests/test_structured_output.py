@@ -6,6 +6,7 @@ import re
 import jsonschema
 import pytest
 
+from serve_app.tools import HERMES, LLAMA3_JSON, forced_call, parse
 from shadowkv_core import LLM, SamplingParams
 from shadowkv_core.engine.structured import GuidedDecoding
 from shadowkv_core.tiny_model import build_tiny_model
@@ -139,3 +140,16 @@ def test_mask_benchmark_walks_the_document_under_the_schema(tmp_path):
     assert row["lib"] == "llguidance" and row["vocab"] == "shadowkv-small" and row["vocab_size"] == 262
     assert row["tokens_per_document"] == 190  # byte tokens: one per byte of the document
     assert row["mask_us_median"] > 0 and row["first_compile_ms"] > 0
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3_JSON])
+def test_a_forced_tool_call_parses_in_each_template_family(llm, family):
+    """tool_choice "required" as the engine runs it: the call's grammar in the family's format, whatever the weights;
+    the family's parser reads the output back as one call whose arguments follow the tool's parameters."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    guided = forced_call(family, [tool], "required")
+    for out in llm.generate(PROMPTS, _params(guided, max_tokens=300)):
+        content, calls = parse(family, out.text)
+        assert content is None and len(calls) == 1, out.text
+        assert calls[0]["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA)
