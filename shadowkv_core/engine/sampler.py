@@ -1,6 +1,7 @@
 """Sampler: the next token of every sequence of a batch, on the logits' device, in one pass and without a host sync.
 
-First each row's logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
+A row with a grammar (structured output) first has every id its grammar does not allow set to -inf. Then each row's
+logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
 until min_tokens are out, then its repetition, frequency and presence penalties applied. Greedy rows take the argmax.
 Sampled rows divide by their temperature, keep the ids at least min_p times as likely as their most likely one, then
 their top-k and then their nucleus (top-p), and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a

@@ -124,7 +124,7 @@ def allowed_mask(bitmasks: list[bytes], vocab_size: int, device: torch.device) -
     """Grammars' bitmasks -> (len(bitmasks), vocab_size) bool on `device`: whether each id is allowed. The words
     travel packed; the bits are unpacked on the device."""
     words = torch.frombuffer(bytearray(b"".join(bitmasks)), dtype=torch.int32).view(len(bitmasks), -1)
-    words = words.to(device, non_blocking=False)
+    words = words.to(device)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     bits = (words[:, :, None] >> shifts) & 1
     return bits.view(len(bitmasks), -1)[:, :vocab_size].bool()
