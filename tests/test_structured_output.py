@@ -87,14 +87,17 @@ def test_a_grammar_that_cannot_compile_names_its_field():
         GuidedDecoding("grammar", "start: undefined_rule", "guided_grammar")
 
 
-def test_constrained_and_free_requests_share_a_batch_under_async_decode(tiny_path):
-    """A step with a constrained request runs without async overlap, so its mask sees the token before: the free
-    requests decode the tokens they decode alone, and the constrained one stays valid, in a batch with both."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_constrained_and_free_requests_share_a_batch_under_async_decode(tiny_path, device):
+    """A step with a constrained request runs without async overlap, so its mask sees the token before: the same
+    tokens with and without async decode, the constrained output valid, in a batch with both (on CUDA: the mask
+    unpacked on the device)."""
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     guided = GuidedDecoding("json", SCHEMA, "guided_json")
     runs = {}
     for async_decode in (False, True):
-        llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, async_decode=async_decode)
+        llm = LLM(model=tiny_path, device=device, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01,
+                  async_decode=async_decode)
         assert llm.engine.async_decode is async_decode
         engine = llm.engine
         engine.add_request("free0", PROMPTS[0], free)
