@@ -100,14 +100,18 @@ def test_constrained_and_free_requests_share_a_batch_under_async_decode(tiny_pat
                   async_decode=async_decode)
         assert llm.engine.async_decode is async_decode
         engine = llm.engine
-        engine.add_request("free0", PROMPTS[0], free)
+        engine.add_request("free0", PROMPTS[0], SamplingParams(max_tokens=220, temperature=0, ignore_eos=True))
         engine.add_request("json", PROMPTS[1], _params(guided, max_tokens=200))
         engine.add_request("free1", PROMPTS[2], free)
-        done = {}
+        done, overlapped = {}, []
         while engine.has_unfinished_requests():
+            constrained = "json" in engine.requests and bool(engine.requests["json"].output_token_ids)
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
+            overlapped.append((constrained, engine.in_flight is not None))
+        assert not any(in_flight for constrained, in_flight in overlapped if constrained)
+        assert any(in_flight for _, in_flight in overlapped) is async_decode  # the free ones overlap once alone
         runs[async_decode] = done
         jsonschema.validate(json.loads(done["json"].text), SCHEMA)
         assert _grammar_takes(llm, guided, done["json"].token_ids)
