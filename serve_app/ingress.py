@@ -125,15 +125,15 @@ class Ingress:
         for prepared in choices:
             self.limits.check_prompt(len(prepared.prompt_token_ids))
         events = await self._start_choices(request_id, choices, arrived)
-        model, count = self.info["model"], len(choices)
+        model, count, tools = self.info["model"], len(choices), choices[0].tool_family
         logprobs = LogprobFormatter(self.info["tokenizer"], request)
         if request.stream:
             prompt_tokens = sum(len(p.prompt_token_ids) for p in choices) // request.n
             fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None,
-                                 logprobs)
+                                 logprobs, tools)
             return StreamingResponse(sse_stream(events, fmt, request.include_usage, count, request.n),
                                      media_type="text/event-stream")
-        return await collect(events, kind, request_id, model, count, request.n, request.candidates, logprobs)
+        return await collect(events, kind, request_id, model, count, request.n, request.candidates, logprobs, tools)
 
     async def _start_choices(self, request_id: str, choices: list, arrived: float) -> AsyncIterator[dict]:
         """Admit each choice as an engine request of its own and wait for its first event; a refusal of any one

@@ -6,6 +6,7 @@ lists them all.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
@@ -24,10 +25,10 @@ MAX_CHOICES = 16  # prompts of a batch × n: each choice is an engine request of
 UNSUPPORTED = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "top_logprobs": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "response_format": (None, {"type": "text"}), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,), "structural_tag": (None,), "structured_outputs": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""), "guided_decoding_backend": (None, "auto", "guidance"),
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"),
     "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,), "prediction": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -82,6 +83,39 @@ def _content_text(content):
     return "\n".join(part["text"] for part in content)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of json (a schema), json_object, regex, choice, grammar. Its options that would
+    change the answer beyond them (structural_tag, whitespace_pattern) are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_fallback: bool = False  # there is no other backend to fall back to
+    disable_any_whitespace: bool = False  # JSON comes compact whatever it says
+    disable_additional_properties: bool = False
+    backend: str | None = None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's extension: with include_usage, every chunk also carries the usage so far
@@ -115,6 +149,13 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # structured output (serve_app/structured.py); at most one of them
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -192,14 +233,68 @@ class CompletionRequest(_SamplingFields):
         return self.best_of or self.n
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    """A conversation's message. An assistant's may hold tool_calls instead of content; a tool's result names the
+    call it answers (tool_call_id)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _joined(cls, content):
         return _content_text(content)
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required, except in an assistant message with tool_calls")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: the calls' arguments as objects (as Hugging Face templates expect)."""
+        message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text as sent
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -207,11 +302,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
+    @model_validator(mode="after")
+    def _choice_needs_tools(self):
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: names a call but the request has no tools")
         return self
 
     @property
@@ -274,7 +377,8 @@ class CompletionResponse(BaseModel):
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -308,9 +412,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -18,6 +18,7 @@ from serve_app.errors import OpenAIError
 from serve_app.logprobs import LogprobFormatter
 from serve_app.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                 CompletionChoice, CompletionResponse, DeltaMessage, ResponseMessage, Usage)
+from serve_app.tools import ToolStream, parse
 
 SSE_DONE = "data: [DONE]\n\n"
 Kind = Literal["completion", "chat"]
@@ -89,13 +90,15 @@ class ChoiceTotals:
 class ChunkFormatter:
     """Builds one stream's chunks, in the shape of `kind`'s OpenAI streaming response. With `usage_prompt_tokens`
     (stream_options.continuous_usage_stats), every chunk carries the usage so far: those prompt tokens and the
-    completion tokens until then."""
+    completion tokens until then. With `tool_family` (chat with tools), each choice's text goes through a ToolStream:
+    its tool calls come as tool_calls deltas, and a choice that called a tool finishes with "tool_calls"."""
 
     def __init__(self, kind: Kind, request_id: str, model: str, usage_prompt_tokens: int | None = None,
-                 logprobs: LogprobFormatter | None = None):
+                 logprobs: LogprobFormatter | None = None, tool_family: str | None = None):
         self.kind, self.request_id, self.model = kind, request_id, model
         self.usage_prompt_tokens = usage_prompt_tokens
         self.logprobs = logprobs
+        self.tool_family, self.tool_streams = tool_family, {}
 
     @property
     def continuous_usage(self) -> bool:
@@ -115,12 +118,31 @@ class ChunkFormatter:
               event: dict | None = None) -> str:
         usage = self._so_far(completion_tokens)
         logprobs = None if self.logprobs is None or event is None else self.logprobs.of_event(event)
+        if self.kind == "chat" and self.tool_family is not None:
+            return self._tool_deltas(text, finish_reason, usage, index, logprobs)
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             return sse(self._chat([choice], usage))
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return sse(CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage))
+
+    def _tool_deltas(self, text: str, finish_reason: str | None, usage: Usage | None, index: int,
+                     logprobs=None) -> str:
+        """The chunks of one event of a chat with tools: its content and whole tool calls so far, the first chunk
+        carrying the event's tokens' logprobs (an empty delta if the text is held back), the last the finish reason
+        (and the usage so far)."""
+        stream = self.tool_streams.setdefault(index, ToolStream(self.tool_family))
+        fields = stream.feed(text) + (stream.finish() if finish_reason else [])
+        if finish_reason and stream.num_calls:
+            finish_reason = "tool_calls"
+        if not fields and (finish_reason or logprobs):
+            fields = [{}]
+        chunks = [ChatChunkChoice(index=index, delta=DeltaMessage(**f)) for f in fields]
+        if chunks:
+            chunks[0].logprobs = logprobs
+            chunks[-1].finish_reason = finish_reason
+        return "".join(sse(self._chat([c], usage)) for c in chunks)
 
     def usage(self, usage: Usage) -> str:
         if self.kind == "chat":
@@ -178,10 +200,12 @@ class _Choice:
 
 
 async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, model: str, num_choices: int = 1,
-                  n: int = 1, candidates: int | None = None, logprobs: LogprobFormatter | None = None) -> BaseModel:
+                  n: int = 1, candidates: int | None = None, logprobs: LogprobFormatter | None = None,
+                  tool_family: str | None = None) -> BaseModel:
     """The whole (non-streaming) response body: num_choices choices merged into `events`, `candidates` (default n)
     of them per prompt. With more candidates than n (best_of), the n of highest cumulative logprob are returned, the
-    best first (as vLLM), and the usage counts those."""
+    best first (as vLLM), and the usage counts those. With `tool_family`, each chat choice's text is parsed into
+    content and tool calls."""
     candidates = candidates or n
     choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(candidates)
     async for event in events:
@@ -203,12 +227,19 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
             id=request_id, model=model, usage=usage,
             prompt_logprobs=None if logprobs is None else logprobs.prompt_logprobs(first.prompt_token_ids,
                                                                                   first.prompt_logprobs),
-            choices=[ChatChoice(index=i, message=ResponseMessage(content="".join(c.parts)),
-                                logprobs=fmt and fmt.chat_logprobs(c.token_ids, c.logprobs),
-                                finish_reason=c.finish_reason) for i, c in enumerate(out)])
+            choices=[_chat_choice(i, "".join(c.parts), c.finish_reason, tool_family,
+                                  fmt and fmt.chat_logprobs(c.token_ids, c.logprobs)) for i, c in enumerate(out)])
     return CompletionResponse(id=request_id, model=model, usage=usage, choices=[
         CompletionChoice(index=i, text="".join(c.parts), finish_reason=c.finish_reason,
                          logprobs=fmt and fmt.completion_logprobs(c.token_ids, c.logprobs, i),
                          prompt_logprobs=None if logprobs is None else logprobs.prompt_logprobs(c.prompt_token_ids,
                                                                                                c.prompt_logprobs))
         for i, c in enumerate(out)])
+
+
+def _chat_choice(index: int, text: str, reason: str | None, tool_family: str | None, logprobs) -> ChatChoice:
+    if tool_family is None:
+        return ChatChoice(index=index, message=ResponseMessage(content=text), logprobs=logprobs, finish_reason=reason)
+    content, calls = parse(tool_family, text)
+    return ChatChoice(index=index, message=ResponseMessage(content=content, tool_calls=calls or None),
+                      logprobs=logprobs, finish_reason="tool_calls" if calls else reason)

@@ -18,6 +18,7 @@ from .sampler import OutputCounts, StepLogprobs, sample, unpack_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
+from .structured import GrammarCompiler
 from .text import TextProcessor
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class LLMEngine:
                                            config.prefill_chunk_tokens, config.load_format)
         self.tokenizer = load_tokenizer(config.model)
         self.text = TextProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.eos_ids = tuple(sorted(self.eos_token_ids))  # the sampler's mask under min_tokens
@@ -112,6 +114,8 @@ class LLMEngine:
         if not self.scheduler.can_enqueue():
             raise RuntimeError(f"the engine's waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self._next_seed(params.seed))
+        if params.guided is not None:
+            seq.grammar = self.grammars.grammar(params.guided)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
@@ -133,6 +137,7 @@ class LLMEngine:
         seq.output_token_ids, seq.text = list(src.output_token_ids), src.text
         seq.prompt_logprobs, seq.cumulative_logprob = src.prompt_logprobs, src.cumulative_logprob
         seq.output_logprobs = None if src.output_logprobs is None else list(src.output_logprobs)
+        seq.grammar = None if src.grammar is None else src.grammar.copy()
         self.scheduler.start_running(seq)
         try:
             self.counts.copy(src.seq_id, seq)
@@ -163,7 +168,8 @@ class LLMEngine:
 
         With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
-        or string) has decoded one more token by then, which is dropped."""
+        or string) has decoded one more token by then, which is dropped. A step whose batch holds a request with a
+        grammar (structured output) runs without that overlap: its mask needs the token before."""
         scheduled = self.scheduler.schedule()
         outputs, prev = [], self.in_flight
         if scheduled.prefill:
@@ -173,7 +179,7 @@ class LLMEngine:
         if prev is not None:  # a request whose last token is in flight has no step left to run
             decode = [seq for seq in decode
                       if len(seq.output_token_ids) + (seq.seq_id in prev.rows) < seq.params.max_tokens]
-        if decode and self.async_decode:
+        if decode and self.async_decode and not any(seq.grammar is not None for seq in decode):
             outputs += self._launch(decode, prev)
             outputs += self._read_back(prev)
         else:
@@ -297,6 +303,11 @@ class LLMEngine:
             seq.cumulative_logprob += logprob.logprob
         params = seq.params
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):
+                self._fail([seq], ValueError(f"token {token} breaks the output's grammar: {seq.grammar.error}"))
+                return
+            stopped |= seq.grammar.is_done
         length = len(seq.output_token_ids) >= params.max_tokens
         stopped |= self.text.update(seq, done=stopped or length)
         if stopped or length:

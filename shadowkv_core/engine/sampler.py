@@ -1,6 +1,7 @@
 """Sampler: the next token of every sequence of a batch, on the logits' device, in one pass and without a host sync.
 
-First each row's logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
+A row with a grammar (structured output) first has every id its grammar does not allow set to -inf. Then each row's
+logits are adjusted as vLLM does: its logit_bias added, its end-of-sequence and stop token ids masked
 until min_tokens are out, then its repetition, frequency and presence penalties applied. Greedy rows take the argmax.
 Sampled rows divide by their temperature, keep the ids at least min_p times as likely as their most likely one, then
 their top-k and then their nucleus (top-p), and draw by the Gumbel-max trick: the argmax of logits + Gumbel noise is a
@@ -20,6 +21,7 @@ import torch
 
 from ..transfers import Readback, to_device
 from .sequence import Sequence, TokenLogprob
+from .structured import allowed_mask
 
 _U32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # spreads consecutive vocabulary ids over the hash's input space
@@ -149,6 +151,17 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], index: list[int], 
     return logits
 
 
+def mask_by_grammar(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (B, V) with every id its row's grammar (structured output) does not allow next at -inf; the same tensor
+    when no row has a grammar. Each grammar must be at the row's last token: no step of it may be in flight."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    allowed[rows] = allowed_mask([seqs[row].grammar.bitmask() for row in rows], logits.shape[1], logits.device)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """logits (B, V) with every id less likely than min_p (B,) times the row's most likely id set to -inf."""
     floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None])
@@ -180,7 +193,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], token_index: list[int] | 
     index = token_index or [len(seq.output_token_ids) for seq in seqs]
     if counts is None and any(seq.params.has_penalties for seq in seqs):
         counts = OutputCounts(logits.shape[1], logits.device)
-    logits = adjust_logits(logits, seqs, index, eos_token_ids, counts)
+    logits = adjust_logits(mask_by_grammar(logits, seqs), seqs, index, eos_token_ids, counts)
     tokens = logits.argmax(dim=-1) if all(seq.params.is_greedy for seq in seqs) else \
         _draw(logits, seqs, index)
     if any(seq.params.has_penalties for seq in seqs):

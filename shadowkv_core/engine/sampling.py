@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured import GuidedDecoding
+
 MAX_LOGPROBS = 20  # top logprobs a token may ask for, as vLLM's default max_logprobs
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -30,7 +32,8 @@ class SamplingParams:
     divides positive (multiplies negative) logits of ids in the prompt or the output. logit_bias: {token id: bias}
     added to the logits. logprobs: report each output token's logprob and the top `logprobs` ids' (0: the token's
     only; None: nothing), those of the model's raw distribution, before any of the adjustments above; prompt_logprobs:
-    the same for each prompt token after the first, computed during the prefill."""
+    the same for each prompt token after the first, computed during the prefill. guided: structured output, a grammar
+    the output must match (structured.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self):
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -73,6 +77,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                    f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
+               f"must be a GuidedDecoding, got {self.guided!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass
 
 from .sampling import SamplingParams
+from .structured import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +56,7 @@ class Sequence:
         self.output_logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.grammar: Grammar | None = None  # structured output: the ids its next token may be
 
     @property
     def prompt_len(self) -> int:
