@@ -34,6 +34,7 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "documents": (None,), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+    "prompt_embeds": (None,),
 }
 
 
@@ -112,6 +113,14 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's optional fields take null for their default (the SDK sends it for an argument given as None)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     @model_validator(mode="before")
     @classmethod
