@@ -133,12 +133,15 @@ def test_every_sampling_field_through_the_sdk_answers_as_llm_generate(client, ll
     assert_engine_drains(APP, within_s=5.0)
 
 
-def test_sdk_fields_of_one_endpoint_n_echo_user_and_max_completion_tokens(client, llm):
+def test_sdk_n_echo_user_nulls_and_max_completion_tokens(client, llm):
     ids = llm.tokenizer(PROMPT)["input_ids"]
     draws = [_generate(llm, ids, temperature=1.0, seed=20 + j).text for j in range(2)]
     got = client.completions.create(model=MODEL, prompt=PROMPT, n=2, temperature=1.0, seed=20, echo=True,
                                     max_tokens=MAX_TOKENS, user="someone")
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [PROMPT + d for d in draws]
+    nulls = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, seed=4, temperature=None,
+                                      top_p=None, n=None, presence_penalty=None, frequency_penalty=None, stop=None)
+    assert nulls.choices[0].text == _generate(llm, ids, temperature=1.0, seed=4).text  # null: the field's default
     chat = _chat_ids(llm, _user(CHAT))
     got = client.chat.completions.create(model=MODEL, messages=_user(CHAT), max_tokens=MAX_TOKENS,
                                          max_completion_tokens=3, temperature=0)
