@@ -30,16 +30,18 @@ SIDE = ["Once upon a time", "In the beginning"]  # a batch's other prompts
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / MODEL))
+def served(tmp_path_factory):
+    """(base URL, model path): SLOTS slots and no waiting line; the API routes need KEY."""
+    model = build_tiny_model(tmp_path_factory.mktemp("models") / MODEL)
+    with local_service({"model": str(model), "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_waiting": 0,
+                        "max_model_len": 2048, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}},
+                       APP, {KEYS_ENV: KEY}) as base:
+        yield base, str(model)
 
 
 @pytest.fixture(scope="module")
-def url(model_path):
-    args = {"model": model_path, "served_model_name": MODEL, "max_num_seqs": SLOTS, "max_model_len": 2048,
-            "max_waiting": 0, "engine": {"gpu_cache_gib": 0.05, "host_cache_gib": 0.05}}
-    with local_service(args, APP, {KEYS_ENV: KEY}) as base:
-        yield base
+def url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,8 @@ def client(url):
 
 
 @pytest.fixture(scope="module")
-def llm(model_path):
-    return LLM(model=model_path, device="cpu", max_model_len=2048)
+def llm(served):
+    return LLM(model=served[1], device="cpu", max_model_len=2048)
 
 
 def _chat_ids(llm, messages: list[dict]) -> list[int]:
