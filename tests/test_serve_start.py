@@ -1,7 +1,7 @@
 """Starting and stopping the service as its users do, through scripts/ on this machine: the install shows its
 progress; `scripts/serve.sh` of a config that asks for GPUs on a machine without one fails naming it instead of
 waiting; SIGTERM (docker stop, systemd, kill) stops a running server cleanly, with no crash-style stack dump; the
-README says how to stop it."""
+README says how to install on a CPU-only machine and how to stop the server."""
 import os
 import re
 import signal
@@ -160,7 +160,8 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_fails_naming_it(tmp_path):
     assert CRASH_DUMP not in server.output
 
 
-def test_the_readme_says_how_to_start_and_stop_the_server():
+def test_the_readme_says_how_to_install_on_a_cpu_start_and_stop_the_server():
     readme = (ROOT / "README.md").read_text()
     assert "bash scripts/serve.sh" in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme  # not the CUDA build
     assert "Ctrl-C" in readme and "SIGTERM" in readme and "kill <pid>" in readme
