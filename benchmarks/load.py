@@ -215,7 +215,7 @@ def serve_and_load(config: Path, cfg_args: dict, warmup_requests: int, rss_every
     from serve_app.local import local_service
 
     app = yaml.safe_load(config.read_text())["applications"][0]
-    args = {**app["args"], "model": str(ROOT / app["args"]["model"])}
+    args = {**app["args"], "config_dir": str(config.resolve().parent)}  # its relative paths, as serve run reads them
     with local_service(args, app["name"]) as url:
         cfg = LoadConfig(url=url, model=args.get("served_model_name") or Path(args["model"]).name, **cfg_args)
         burst = asyncio.run(warm_up(cfg, warmup_requests))

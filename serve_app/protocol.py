@@ -36,6 +36,7 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "documents": (None,), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+    "prompt_embeds": (None,),
 }
 
 
@@ -156,6 +157,14 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's optional fields take null for their default (the SDK sends it for an argument given as None)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     @model_validator(mode="before")
     @classmethod

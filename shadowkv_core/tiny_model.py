@@ -1,7 +1,7 @@
 """A tiny random-weight Llama checkpoint with a byte-level tokenizer, written in Hugging Face format.
 
-It stands in for a real model wherever none can be downloaded: engine tests, and the local service until the small
-model this project trains is shipped. Its outputs are meaningless; its shapes and file layout are real."""
+It stands in for a real model wherever none can be downloaded: engine and service tests (configs/local.yaml serves
+the small model this project ships). Its outputs are meaningless; its shapes and file layout are real."""
 from __future__ import annotations
 
 import json
