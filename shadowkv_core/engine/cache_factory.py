@@ -80,7 +80,7 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
         if pools.num_dense_blocks < 1:
             raise ValueError(f"gpu_cache_gib: {budget} bytes hold no KV block of "
                              f"{mm.dense_block_bytes(g, config.block_size)} bytes")
-        return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+        return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
     config.shadowkv.check_model(spec.num_kv_heads, spec.head_dim)
     cfg = resolve_device_value_share(config, g, budget, max_model_len)
     host = host_cache_bytes(config, _host_wanted(g, cfg, budget, config))
@@ -96,5 +96,5 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
     logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host and %d device value pages of %d "
                 "tokens (device value share %.3f)", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
                 pools.num_host_pages, pools.num_device_value_pages, mm.page_tokens(cfg), cfg.device_value_share)
-    dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+    dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
     return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement))
