@@ -243,6 +243,22 @@ def test_a_later_turn_reuses_the_earlier_turns_generated_tokens(tiny_path, cold)
     assert settled(llm.engine)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_async_decode_leaves_blocks_whose_tokens_are_those_it_cached(tiny_path, device):
+    """Under async decode a request ends with a step still in flight: the blocks it leaves must hold exactly the
+    tokens it reports. The next turn, over them, gives the cold tokens (on CUDA: the kernels, graphs and all)."""
+    llms = {on: LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, device=device,
+                    async_decode=True, enable_prefix_caching=on) for on in (True, False)}
+    turn1 = tokens(37, 24)
+    stop = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    answer = llms[True].generate([turn1], stop)[0].token_ids
+    assert answer == llms[False].generate([turn1], stop)[0].token_ids
+    turn2 = turn1 + answer + tokens(5, 25)
+    assert llms[True].generate([turn2], GREEDY)[0].token_ids == llms[False].generate([turn2], GREEDY)[0].token_ids
+    assert llms[True].engine.stats()["prefix_hit_tokens"] == 64  # 37 + 39 cached tokens: four full blocks
+    assert settled(llms[True].engine)
+
+
 def test_abort_during_a_suffix_prefill_frees_it_and_keeps_the_prefix(tiny_path, cold, monkeypatch):
     llm = engine_llm(tiny_path, max_prefill_tokens=8)  # a 40-token suffix prefills one layer per step
     engine = llm.engine

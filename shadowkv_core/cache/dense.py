@@ -208,7 +208,9 @@ class DenseKVCache(KVCache):
                                                              self.spec.prefill_chunk_tokens,
                                                              self.spec.prefill_attention)
                 continue
-            keys, values = self._load(layer, self._rows(seq_id, 0, ctx + n))
+            rows = self._per_forward(meta, f"context_rows/{seq_id}",  # every layer reads the same rows
+                                     lambda s=seq_id, e=ctx + n: self._rows(s, 0, e))
+            keys, values = self._load(layer, rows)
             out[start:start + n] = prefill_attention_ref(q_i, keys, values, scale, self.spec.prefill_chunk_tokens,
                                                          self.spec.prefill_attention)
         return out
