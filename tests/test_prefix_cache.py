@@ -317,3 +317,24 @@ def test_the_replicas_prefix_stats_reach_prometheus(tiny_path):
                  f"shadowkv_prefix_cached_bytes {float(cached)}", "shadowkv_prefix_evictions 2.0"):
         assert line in text, line
     assert cached > 0
+
+
+def test_the_memory_model_counts_what_a_prefill_after_a_cached_prefix_reads(tiny_path, monkeypatch):
+    from shadowkv_core import memory_model as mm
+    llm = engine_llm(tiny_path)
+    engine = llm.engine
+    doc = tokens(64, 26)
+    llm.generate([doc + [1]], GREEDY)
+    read = []
+    load = engine.cache._load
+
+    def spy(layer, rows):
+        keys, values = load(layer, rows)
+        read.append(keys.nbytes + values.nbytes)
+        return keys, values
+
+    monkeypatch.setattr(engine.cache, "_load", spy)
+    llm.generate([doc + tokens(7, 27)], GREEDY)
+    g = mm.Geometry.from_spec(engine.spec, torch.float32, "auto")
+    extra = mm.prefill_workspace_bytes(g, None, 7, 8192, 64) - mm.prefill_workspace_bytes(g, None, 7, 8192)
+    assert read and max(read[:engine.runner.num_layers]) == extra  # the prefill's layers read first
