@@ -6,6 +6,7 @@ saturates the tokens already in its block; attention reads them dequantised to t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,8 @@ from ..attention import prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
 from .allocator import BlockAllocator
-from .prefix import ROOT, PrefixIndex, block_hashes
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
+from .prefix import ROOT, PrefixIndex, block_hashes
 
 
 class DenseManager(CacheManager):
@@ -37,19 +38,19 @@ class DenseManager(CacheManager):
         self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full blocks, indexed once it is prefilled
         self._chain: dict[int, tuple[int, bytes]] = {}  # blocks indexed after the prefill, and the last one's hash
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
-        self.query_tokens = 0  # prompt tokens of the sequences allocated with their token ids
+        self.query_tokens = 0  # prompt tokens looked up: of the sequences allocated with their token ids
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def _hashes(self, prompt_len: int, prompt_token_ids):
+    def _hashes(self, prompt_len: int, prompt_token_ids: list[int] | None) -> Iterator[bytes]:
         if prompt_token_ids is None or not self.index.enabled:
             return iter(())
         if len(prompt_token_ids) != prompt_len:
             raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens for a prompt of {prompt_len}")
         return block_hashes(prompt_token_ids, self.block_size)
 
-    def _cached_prefix(self, prompt_len: int, hashes) -> list[int]:
+    def _cached_prefix(self, prompt_len: int, hashes: Iterator[bytes]) -> list[int]:
         """The indexed blocks a prompt starts with; never its last token's block (its logits need a forward)."""
         return self.index.lookup(hashes, (prompt_len - 1) // self.block_size)
 
@@ -57,7 +58,7 @@ class DenseManager(CacheManager):
         return self.blocks_needed(num_tokens) - len(hit) <= \
             self.index.num_available - self.index.num_evictable_among(hit)
 
-    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids=None) -> bool:
+    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
         hit = self._cached_prefix(prompt_len, self._hashes(prompt_len, prompt_token_ids))
         return self._fits(hit, prompt_len + max_new_tokens)
 
@@ -67,7 +68,8 @@ class DenseManager(CacheManager):
     def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
         return self.blocks_needed(prompt_len + max_new_tokens) * self.blocks.unit_bytes, 0
 
-    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int, prompt_token_ids=None) -> int:
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int,
+                 prompt_token_ids: list[int] | None = None) -> int:
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already holds cache blocks")
         hashes = list(self._hashes(prompt_len, prompt_token_ids))
@@ -84,11 +86,12 @@ class DenseManager(CacheManager):
         self.lengths[seq_id] = self.shared_tokens[seq_id] = cached
         if hashes:
             self._to_index[seq_id] = hashes
+        if prompt_token_ids is not None and self.index.enabled:
             self.hit_tokens += cached
             self.query_tokens += prompt_len
         return cached
 
-    def free(self, seq_id: int, token_ids=None) -> None:
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
         if token_ids is not None and self.index.enabled:
             self._index_tokens(seq_id, token_ids)
         self.index.release(self.block_tables.pop(seq_id))
@@ -96,7 +99,7 @@ class DenseManager(CacheManager):
         self._to_index.pop(seq_id, None)
         self._chain.pop(seq_id, None)
 
-    def _index_tokens(self, seq_id: int, token_ids) -> None:
+    def _index_tokens(self, seq_id: int, token_ids: list[int]) -> None:
         """Index the full blocks of a sequence's cached tokens (token_ids: its prompt and output, of which the cache
         holds the first lengths[seq_id]) not indexed after its prefill."""
         done, parent = self._chain.get(seq_id, (0, ROOT))
