@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shadowkv_core import LLM, EngineConfig, SamplingParams
+from shadowkv_core import LLM, EngineConfig, SamplingParams, ShadowKVConfig
 from shadowkv_core.cache.allocator import BlockAllocator
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
@@ -187,7 +187,7 @@ def record_prefills(engine, monkeypatch):
 def settled(engine):
     """Every pool back to its baseline once the cache is cleared: no sequence, no block held or indexed."""
     engine.clear_prefix_cache()
-    manager = engine.cache.manager
+    manager = getattr(engine.cache.manager, "dense", engine.cache.manager)  # a ShadowKV engine's dense side
     stats = engine.stats()
     return (stats["num_running"], stats["num_seqs"], stats["gpu_bytes_in_use"], stats["prefix_cached_bytes"],
             manager.blocks.num_free, manager.index.num_in_use) == (0, 0, 0, 0, manager.blocks.num_blocks, 0)
@@ -338,3 +338,19 @@ def test_the_memory_model_counts_what_a_prefill_after_a_cached_prefix_reads(tiny
     g = mm.Geometry.from_spec(engine.spec, torch.float32, "auto")
     extra = mm.prefill_workspace_bytes(g, None, 7, 8192, 64) - mm.prefill_workspace_bytes(g, None, 7, 8192)
     assert read and max(read[:engine.runner.num_layers]) == extra  # the prefill's layers read first
+
+
+def test_a_shadowkv_engine_caches_its_dense_sequences_prefixes_and_prefills_its_shadow_ones_whole(tiny_path,
+                                                                                                   monkeypatch):
+    shadow = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
+                            min_context=128, decode_window=16)  # full rank and budget: the dense tokens exactly
+    llm = engine_llm(tiny_path, shadowkv=shadow)
+    cold_llm = engine_llm(tiny_path, shadowkv=shadow, enable_prefix_caching=False)
+    seen = record_prefills(llm.engine, monkeypatch)
+    short, long = tokens(48, 28), tokens(150, 29)
+    prompts = [short, short + [4, 5], long, long + [6]]
+    want = [o.token_ids for o in cold_llm.generate(prompts, GREEDY)]
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == want
+    assert [s for s, _ in seen] == [[0], [48], [0], [0]]  # the long prompts are kept in shadows: no prefix cache
+    assert llm.engine.clear_prefix_cache() > 0 and settled(llm.engine)
+    assert llm.engine.stats()["host_bytes_in_use"] == 0
