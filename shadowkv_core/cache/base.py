@@ -61,8 +61,8 @@ class CacheSpec:
 @dataclass
 class AttentionMetadata:
     """One forward over a ragged batch. Prefill forwards carry prompts past their cached prefixes (context_lens: the
-    prefix's tokens, 0 for a prompt with none); decode forwards carry one token per sequence. Token i of the flattened batch belongs to the sequence whose
-    [query_start, query_start + query_len) range holds it."""
+    prefix's tokens, 0 for a prompt with none); decode forwards carry one token per sequence. Token i of the
+    flattened batch belongs to the sequence whose [query_start, query_start + query_len) range holds it."""
 
     is_prefill: bool
     seq_ids: list[int]  # cache ids of the sequences, in batch order

@@ -34,7 +34,8 @@ class SequenceState:
 
 class ShadowKVManager(CacheManager):
     """Pools of slots, GPU pages, host value pages and device value pages, each unit `*_bytes` large. It keeps no
-    prefix cache: a ShadowKV prompt prefills whole (allocate returns 0) and its pages go back to the pools at its end."""
+    prefix cache: a ShadowKV prompt prefills whole (allocate returns 0), and its pages go back to the pools at its
+    end."""
 
     def __init__(self, config: ShadowKVConfig, num_slots: int, slot_bytes: int, num_gpu_pages: int,
                  gpu_page_bytes: int, num_host_pages: int, num_device_value_pages: int, value_page_bytes: int,
