@@ -14,7 +14,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 TOKENS_PER_S_WINDOW_S = 10.0
 # *_peak: the most in use after any step between a replica's last two reports; *_total: since each replica started
 _REPLICA_SUMS = ("gpu_bytes_in_use", "gpu_bytes_peak", "gpu_bytes_total", "host_bytes_in_use", "host_bytes_peak",
-                 "host_bytes_total", "num_running", "num_waiting", "chunks_selected_total", "chunk_hits_total")
+                 "host_bytes_total", "num_running", "num_waiting", "chunks_selected_total", "chunk_hits_total",
+                 "prefix_hit_tokens", "prefix_query_tokens", "prefix_cached_bytes", "prefix_evictions")
 
 
 disable_created_metrics()  # the *_created series only add noise to a scrape

@@ -27,16 +27,17 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           chunk_tokens: int, implementation: str = "sdpa") -> torch.Tensor:
-    """Causal self-attention over one whole prompt, queries taken `chunk_tokens` at a time so that the score
-    matrix of a long prompt never has to exist at once, each chunk by `chunk_attention`. Shapes as in
-    `attention_ref` with n_q == n_k."""
+    """Causal attention of a prompt's queries, the last n_q of the keys (n_q == n_k for a whole prompt; fewer for
+    a suffix after a cached prefix), taken `chunk_tokens` at a time so that the score matrix of a long prompt never
+    has to exist at once, each chunk by `chunk_attention`. Shapes as in `attention_ref`."""
     n = q.shape[0]
     if n <= chunk_tokens:
         return chunk_attention(q, k, v, scale, implementation)
     out = torch.empty_like(q)
+    before = k.shape[0] - n
     for start in range(0, n, chunk_tokens):
         end = min(start + chunk_tokens, n)
-        out[start:end] = chunk_attention(q[start:end], k[:end], v[:end], scale, implementation)
+        out[start:end] = chunk_attention(q[start:end], k[:before + end], v[:before + end], scale, implementation)
     return out
 
 

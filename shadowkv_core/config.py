@@ -117,6 +117,9 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     kv_cache_dtype: how the dense cache keeps keys and values: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32
         scale per token and KV head: about half the bytes of a block, so about twice the dense sequences).
+    enable_prefix_caching: keep the full KV blocks of finished prefills and ended sequences, indexed by their tokens,
+        so that a prompt starting with them prefills only the rest (dense sequences; cache/prefix.py). Cached blocks no
+        sequence holds count as free: an allocation evicts them, least recently used first.
     The options below change speed, never results; each reads "auto" (what the device does best) unless a test or
     a benchmark overrides it.
     use_kernels: decode on the Triton kernels (dense paged and ShadowKV); auto: on CUDA, for heads the kernels take
@@ -151,6 +154,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
     use_kernels: bool | str = AUTO
     pipeline_decode: bool | str = AUTO
     pipeline_min_batch: int | str = AUTO
@@ -176,6 +180,8 @@ class EngineConfig:
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
                          lambda v: v >= 2)
         for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode"):

@@ -60,9 +60,9 @@ class CacheSpec:
 
 @dataclass
 class AttentionMetadata:
-    """One forward over a ragged batch. Prefill forwards carry whole prompts (context_lens all 0); decode forwards
-    carry one token per sequence. Token i of the flattened batch belongs to the sequence whose
-    [query_start, query_start + query_len) range holds it."""
+    """One forward over a ragged batch. Prefill forwards carry prompts past their cached prefixes (context_lens: the
+    prefix's tokens, 0 for a prompt with none); decode forwards carry one token per sequence. Token i of the
+    flattened batch belongs to the sequence whose [query_start, query_start + query_len) range holds it."""
 
     is_prefill: bool
     seq_ids: list[int]  # cache ids of the sequences, in batch order
@@ -105,8 +105,9 @@ class CacheManager(abc.ABC):
     """What each sequence holds, reserved whole at admission (nothing runs out mid-decode) and returned at its end."""
 
     @abc.abstractmethod
-    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a sequence of this shape fits in what is free now."""
+    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
+        """Whether a sequence of this shape fits in what is free now (prompt_token_ids: its prompt, whose cached
+        prefix it would hold rather than reserve anew)."""
 
     @abc.abstractmethod
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
@@ -117,13 +118,23 @@ class CacheManager(abc.ABC):
         """(device bytes, host bytes) that `allocate` reserves for a sequence of this shape."""
 
     @abc.abstractmethod
-    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int,
+                 prompt_token_ids: list[int] | None = None) -> int:
         """Reserve everything the sequence will need up to prompt_len + max_new_tokens tokens; MemoryError, nothing
-        reserved, if it does not fit."""
+        reserved, if it does not fit. Returns how many of its first prompt tokens are cached already (a prefix that
+        prompt_token_ids shares with an earlier prompt, where the manager keeps a prefix cache): its prefill starts
+        there, and is never empty."""
 
     @abc.abstractmethod
-    def free(self, seq_id: int) -> None:
-        """Return everything the sequence holds; safe to call once per allocate."""
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
+        """Return everything the sequence holds; safe to call once per allocate. token_ids: its prompt and output
+        tokens, whose cached blocks a prefix cache keeps for later prompts (None: keep nothing new, e.g. after a
+        failed step)."""
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix no sequence holds; how many units that returned to the pools. A manager without
+        a prefix cache holds none."""
+        return 0
 
     @abc.abstractmethod
     def usage(self) -> dict[str, int]:

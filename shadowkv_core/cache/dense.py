@@ -6,6 +6,7 @@ saturates the tokens already in its block; attention reads them dequantised to t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -13,28 +14,53 @@ import triton
 
 from kernels.decode_attention import decode_attention
 
-from ..attention import chunk_attention, prefill_attention_ref
+from ..attention import prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
 from .allocator import BlockAllocator
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
+from .prefix import ROOT, PrefixIndex, block_hashes
 
 
 class DenseManager(CacheManager):
-    """Each sequence's block table and cached length."""
+    """Each sequence's block table and cached length. With prefix_caching, full blocks of finished prefills (and, when
+    a sequence ends, of its generated tokens) stay indexed by their chained hash (cache/prefix.py) and a new prompt
+    that starts with them holds them too instead of prefilling them again."""
 
-    def __init__(self, num_blocks: int, block_size: int, block_bytes: int):
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int, prefix_caching: bool = False):
         self.block_size = block_size
         self.blocks = BlockAllocator(num_blocks, block_bytes, f"KV blocks of {block_size} tokens")
+        self.index = PrefixIndex(self.blocks, prefix_caching)
         self.block_tables: dict[int, list[int]] = {}
         self.table_tensors: dict[int, torch.Tensor] = {}  # (blocks,) int32 on the host, for the decode plan
         self.lengths: dict[int, int] = {}
+        self.shared_tokens: dict[int, int] = {}  # leading tokens held in indexed blocks: never written
+        self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full blocks, indexed once it is prefilled
+        self._chain: dict[int, tuple[int, bytes]] = {}  # blocks indexed after the prefill, and the last one's hash
+        self.hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.query_tokens = 0  # prompt tokens looked up: of the sequences allocated with their token ids
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
-        return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_free
+    def _hashes(self, prompt_len: int, prompt_token_ids: list[int] | None) -> Iterator[bytes]:
+        if prompt_token_ids is None or not self.index.enabled:
+            return iter(())
+        if len(prompt_token_ids) != prompt_len:
+            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens for a prompt of {prompt_len}")
+        return block_hashes(prompt_token_ids, self.block_size)
+
+    def _cached_prefix(self, prompt_len: int, hashes: Iterator[bytes]) -> list[int]:
+        """The indexed blocks a prompt starts with; never its last token's block (its logits need a forward)."""
+        return self.index.lookup(hashes, (prompt_len - 1) // self.block_size)
+
+    def _fits(self, hit: list[int], num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(hit) <= \
+            self.index.num_available - self.index.num_evictable_among(hit)
+
+    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
+        hit = self._cached_prefix(prompt_len, self._hashes(prompt_len, prompt_token_ids))
+        return self._fits(hit, prompt_len + max_new_tokens)
 
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_blocks
@@ -42,20 +68,65 @@ class DenseManager(CacheManager):
     def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
         return self.blocks_needed(prompt_len + max_new_tokens) * self.blocks.unit_bytes, 0
 
-    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int,
+                 prompt_token_ids: list[int] | None = None) -> int:
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already holds cache blocks")
-        self.block_tables[seq_id] = self.blocks.alloc(self.blocks_needed(prompt_len + max_new_tokens))
-        self.table_tensors[seq_id] = torch.tensor(self.block_tables[seq_id], dtype=torch.int32)
-        self.lengths[seq_id] = 0
+        hashes = list(self._hashes(prompt_len, prompt_token_ids))
+        hit = self._cached_prefix(prompt_len, iter(hashes))
+        if not self._fits(hit, prompt_len + max_new_tokens):
+            raise MemoryError(f"need {self.blocks_needed(prompt_len + max_new_tokens) - len(hit)} "
+                              f"{self.blocks.what} beyond {len(hit)} cached, {self.index.num_available} of "
+                              f"{self.blocks.num_blocks} free or evictable")
+        self.index.acquire(hit)  # first: the fresh blocks must not evict the prefix being adopted
+        table = hit + self.index.alloc(self.blocks_needed(prompt_len + max_new_tokens) - len(hit))
+        cached = len(hit) * self.block_size
+        self.block_tables[seq_id] = table
+        self.table_tensors[seq_id] = torch.tensor(table, dtype=torch.int32)
+        self.lengths[seq_id] = self.shared_tokens[seq_id] = cached
+        if hashes:
+            self._to_index[seq_id] = hashes
+        if prompt_token_ids is not None and self.index.enabled:
+            self.hit_tokens += cached
+            self.query_tokens += prompt_len
+        return cached
 
-    def free(self, seq_id: int) -> None:
-        self.blocks.free(self.block_tables.pop(seq_id))
-        del self.lengths[seq_id], self.table_tensors[seq_id]
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
+        if token_ids is not None and self.index.enabled:
+            self._index_tokens(seq_id, token_ids)
+        self.index.release(self.block_tables.pop(seq_id))
+        del self.lengths[seq_id], self.table_tensors[seq_id], self.shared_tokens[seq_id]
+        self._to_index.pop(seq_id, None)
+        self._chain.pop(seq_id, None)
+
+    def _index_tokens(self, seq_id: int, token_ids: list[int]) -> None:
+        """Index the full blocks of a sequence's cached tokens (token_ids: its prompt and output, of which the cache
+        holds the first lengths[seq_id]) not indexed after its prefill."""
+        done, parent = self._chain.get(seq_id, (0, ROOT))
+        end = min(self.lengths[seq_id], len(token_ids)) // self.block_size * self.block_size
+        table = self.block_tables[seq_id]
+        for i, h in enumerate(block_hashes(token_ids[done * self.block_size:end], self.block_size, parent), done):
+            self.index.insert(h, table[i])
+
+    def clear_prefix_cache(self) -> int:
+        return self.index.clear()
+
+    def check_writable(self, seq_id: int, start: int) -> None:
+        """A forward writes a sequence's tokens from `start` on: never into the blocks it shares."""
+        if start < self.shared_tokens[seq_id]:
+            raise RuntimeError(f"sequence {seq_id}: a write at token {start} would change its cached prefix "
+                               f"({self.shared_tokens[seq_id]} tokens, shared)")
 
     def advance(self, seq_ids: list[int], num_tokens: list[int]) -> None:
         for seq_id, n in zip(seq_ids, num_tokens):
             self.lengths[seq_id] += n
+            hashes = self._to_index.pop(seq_id, None)
+            if hashes is not None:  # its prefill has run: its prompt's full blocks are final
+                table = self.block_tables[seq_id]
+                for i, h in enumerate(hashes):
+                    self.index.insert(h, table[i])
+                self._chain[seq_id] = (len(hashes), hashes[-1])
+                self.shared_tokens[seq_id] = len(hashes) * self.block_size
 
     def token_rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Row indices into the flattened pool of the sequence's tokens [start, end), on the host."""
@@ -65,13 +136,18 @@ class DenseManager(CacheManager):
         return table[pos // self.block_size - first] * self.block_size + pos % self.block_size
 
     def usage(self) -> dict[str, int]:
-        return {"num_seqs": len(self.block_tables), "gpu_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
-                "gpu_bytes_in_use": self.blocks.bytes_in_use, "gpu_bytes_total": self.blocks.bytes_total,
-                "host_bytes_in_use": 0, "host_bytes_total": 0}
+        """Blocks some sequence holds are in use, each counted once however many share it; cached blocks no
+        sequence holds are not (an allocation evicts them)."""
+        unit = self.blocks.unit_bytes
+        return {"num_seqs": len(self.block_tables), "gpu_blocks_used": self.index.num_in_use,
+                "gpu_bytes_in_use": self.index.num_in_use * unit, "gpu_bytes_total": self.blocks.bytes_total,
+                "host_bytes_in_use": 0, "host_bytes_total": 0,
+                "prefix_cached_bytes": self.index.num_cached * unit, "prefix_hit_tokens": self.hit_tokens,
+                "prefix_query_tokens": self.query_tokens, "prefix_evictions": self.index.evictions}
 
 
 class DenseKVCache(KVCache):
-    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int):
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.spec = spec
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)  # blocks as token rows
         self.fp8 = spec.kv_cache_dtype == "fp8"
@@ -81,7 +157,7 @@ class DenseKVCache(KVCache):
         self.v_scales = torch.ones(shape[:3], device=spec.device) if self.fp8 else None
         token_bytes = spec.head_dim * self.k.dtype.itemsize + (4 if self.fp8 else 0)  # one KV head's K or V
         block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * token_bytes
-        self.manager = DenseManager(num_blocks, block_size, block_bytes)
+        self.manager = DenseManager(num_blocks, block_size, block_bytes, prefix_caching)
         self._forward_state: dict[tuple[str, int], tuple[AttentionMetadata, object]] = {}  # see _per_forward
 
     def _rows(self, seq_id: int, start: int, end: int) -> torch.Tensor:
@@ -97,10 +173,14 @@ class DenseKVCache(KVCache):
         return held[1]
 
     def _write_rows(self, meta: AttentionMetadata) -> torch.Tensor:
-        rows = self.manager.token_rows
-        return self._per_forward(meta, "rows", lambda: to_device(torch.cat(
-            [rows(s, c, c + n) for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens)]),
-            torch.int64, self.k.device))
+        def build():
+            rows = []
+            for s, c, n in zip(meta.seq_ids, meta.context_lens, meta.query_lens):
+                self.manager.check_writable(s, c)
+                rows.append(self.manager.token_rows(s, c, c + n))
+            return to_device(torch.cat(rows), torch.int64, self.k.device)
+
+        return self._per_forward(meta, "rows", build)
 
     def _store(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, Hkv, d) into the pool's rows (n,); fp8: quantised, each token and KV head its own scale."""
@@ -131,8 +211,11 @@ class DenseKVCache(KVCache):
                                                              self.spec.prefill_chunk_tokens,
                                                              self.spec.prefill_attention)
                 continue
-            keys, values = self._load(layer, self._rows(seq_id, 0, ctx + n))
-            out[start:start + n] = chunk_attention(q_i, keys, values, scale, self.spec.prefill_attention)
+            rows = self._per_forward(meta, f"context_rows/{seq_id}",  # every layer reads the same rows
+                                     lambda s=seq_id, e=ctx + n: self._rows(s, 0, e))
+            keys, values = self._load(layer, rows)
+            out[start:start + n] = prefill_attention_ref(q_i, keys, values, scale, self.spec.prefill_chunk_tokens,
+                                                         self.spec.prefill_attention)
         return out
 
     def _decode_plan(self, meta: AttentionMetadata):

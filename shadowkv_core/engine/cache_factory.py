@@ -21,15 +21,20 @@ CPU_CACHE_BYTES = mm.GIB  # default cache budget on CPU, device and host alike
 HOST_HEADROOM = 0.8  # share of MemAvailable a default host store may take
 
 
-def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device) -> int:
+def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device, max_model_len: int) -> int:
     """Bytes the caches may take on the device: configured, or what is free after the weights minus the
-    memory model's workspace for the longest prefill."""
+    memory model's workspace for the longest prefill (with prefix caching, after the longest cached dense prefix:
+    max_model_len tokens, or a hybrid's min_context)."""
     if config.gpu_cache_gib is not None:
         return int(config.gpu_cache_gib * mm.GIB)
     if device.type != "cuda":
         return CPU_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    workspace = (mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, config.prefill_chunk_tokens)
+    context = 0
+    if config.enable_prefix_caching:
+        context = max_model_len if config.shadowkv is None else config.shadowkv.min_context
+    workspace = (mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, config.prefill_chunk_tokens,
+                                            context)
                  + mm.decode_workspace_bytes(g, config.max_num_seqs))
     return max(int(total * config.gpu_memory_utilization) - (total - free) - workspace, 0)
 
@@ -72,7 +77,7 @@ def resolve_device_value_share(config: EngineConfig, g: mm.Geometry, gpu_budget:
 def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device, rotary,
                 max_model_len: int) -> KVCache:
     g = mm.Geometry.from_spec(spec, dtype, config.kv_cache_dtype)
-    budget = gpu_cache_bytes(config, g, device)
+    budget = gpu_cache_bytes(config, g, device, max_model_len)
     cache_spec = CacheSpec.of(spec, dtype, device, config.prefill_chunk_tokens, config.use_kernels,
                               config.prefill_attention, config.kv_cache_dtype)
     if config.shadowkv is None:
@@ -80,7 +85,7 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
         if pools.num_dense_blocks < 1:
             raise ValueError(f"gpu_cache_gib: {budget} bytes hold no KV block of "
                              f"{mm.dense_block_bytes(g, config.block_size)} bytes")
-        return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+        return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
     config.shadowkv.check_model(spec.num_kv_heads, spec.head_dim)
     cfg = resolve_device_value_share(config, g, budget, max_model_len)
     host = host_cache_bytes(config, _host_wanted(g, cfg, budget, config))
@@ -96,5 +101,5 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
     logger.info("ShadowKV pools: %d slots, %d dense blocks, %d GPU pages, %d host and %d device value pages of %d "
                 "tokens (device value share %.3f)", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
                 pools.num_host_pages, pools.num_device_value_pages, mm.page_tokens(cfg), cfg.device_value_share)
-    dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size)
+    dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
     return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement))

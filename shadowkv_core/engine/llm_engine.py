@@ -293,7 +293,7 @@ class LLMEngine:
                     self._append(seq, token, by_row.get(row))
                     outputs.append(seq.output(1))
         for seq in job.release:
-            self.cache.manager.free(seq.seq_id)
+            self.scheduler.release(seq)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
@@ -337,6 +337,10 @@ class LLMEngine:
     def footprint(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
         return self.cache.manager.footprint(prompt_len, max_tokens)
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix no running request holds (their blocks return to the pools); how many blocks."""
+        return self.cache.manager.clear_prefix_cache()
 
     def close(self) -> None:
         """Abort everything and release the caches (pinned host memory included)."""

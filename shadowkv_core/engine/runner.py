@@ -60,11 +60,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def start_prefill(self, seqs: list[Sequence]) -> PrefillJob:
-        """Embed the whole prompts of `seqs`, flattened; no layer has run yet."""
-        lens = [seq.prompt_len for seq in seqs]
-        input_ids = torch.tensor([t for seq in seqs for t in seq.prompt_token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, [0] * len(seqs), positions)
+        """Embed the prompts of `seqs` past their cached prefixes, flattened; no layer has run yet."""
+        cached = [seq.num_cached_tokens for seq in seqs]
+        lens = [seq.prompt_len - c for seq, c in zip(seqs, cached)]
+        input_ids = torch.tensor([t for seq, c in zip(seqs, cached) for t in seq.prompt_token_ids[c:]],
+                                 dtype=torch.int64)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, lens)]).to(self.device)
+        meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, cached, positions)
         return PrefillJob(seqs, meta, self.model.embed_tokens(input_ids.to(self.device)))
 
     @torch.inference_mode()

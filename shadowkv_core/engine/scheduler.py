@@ -67,9 +67,10 @@ class Scheduler:
                 continue
             if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
                 break
-            if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens):
+            if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens, seq.prompt_token_ids):
                 break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
-            self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens)
+            seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens,
+                                                          seq.prompt_token_ids)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.PREFILLING
             admitted.append(seq)
@@ -87,10 +88,15 @@ class Scheduler:
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Drop a finished or aborted sequence, and release its cache at once unless `free` is False (the caller
-        frees it later: a step still running on the device uses it)."""
+        frees it later, by release: a step still running on the device uses it)."""
         if seq in self.running:
             self.running.remove(seq)
             if free:
-                self.manager.free(seq.seq_id)
+                self.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Return a dropped sequence's cache to the manager, which keeps its cached blocks for later prompts unless it
+        failed (a failed step may have left them partly written)."""
+        self.manager.free(seq.seq_id, None if seq.finish_reason == "error" else seq.token_ids)

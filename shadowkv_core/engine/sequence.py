@@ -50,6 +50,7 @@ class Sequence:
         self.params = params
         self.seed = seed  # what its sampled tokens are drawn from (sampler.py), with their index in its output
         self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0  # prompt tokens its cache held from a cached prefix at admission: not prefilled
         self.finish_reason: str | None = None
         self.text = ""
         self.error: str | None = None
@@ -65,6 +66,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def last_token_id(self) -> int:

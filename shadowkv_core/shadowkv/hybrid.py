@@ -23,8 +23,8 @@ class HybridManager(CacheManager):
         """Decided on the whole length: a short prompt with a long generation is kept in shadows from the start."""
         return self.dense if self.config.stays_dense(prompt_len, max_new_tokens) else self.shadow
 
-    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
-        return self._side(prompt_len, max_new_tokens).can_allocate(prompt_len, max_new_tokens)
+    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
+        return self._side(prompt_len, max_new_tokens).can_allocate(prompt_len, max_new_tokens, prompt_token_ids)
 
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         return self._side(prompt_len, max_new_tokens).fits_when_empty(prompt_len, max_new_tokens)
@@ -32,20 +32,24 @@ class HybridManager(CacheManager):
     def footprint(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
         return self._side(prompt_len, max_new_tokens).footprint(prompt_len, max_new_tokens)
 
-    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int,
+                 prompt_token_ids: list[int] | None = None) -> int:
         if seq_id in self.shadow.seqs or seq_id in self.dense.block_tables:
             raise ValueError(f"sequence {seq_id} is already allocated")
-        self._side(prompt_len, max_new_tokens).allocate(seq_id, prompt_len, max_new_tokens)
+        return self._side(prompt_len, max_new_tokens).allocate(seq_id, prompt_len, max_new_tokens, prompt_token_ids)
 
-    def free(self, seq_id: int) -> None:
-        (self.shadow if seq_id in self.shadow.seqs else self.dense).free(seq_id)
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
+        (self.shadow if seq_id in self.shadow.seqs else self.dense).free(seq_id, token_ids)
+
+    def clear_prefix_cache(self) -> int:
+        return self.dense.clear_prefix_cache() + self.shadow.clear_prefix_cache()
 
     def in_shadow(self, seq_id: int) -> bool:
         return seq_id in self.shadow.seqs
 
     def usage(self) -> dict[str, int]:
         dense, shadow = self.dense.usage(), self.shadow.usage()
-        return {key: dense[key] + shadow[key] for key in shadow}
+        return {key: dense.get(key, 0) + shadow.get(key, 0) for key in {**shadow, **dense}}
 
 
 @dataclass

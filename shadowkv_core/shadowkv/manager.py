@@ -33,7 +33,9 @@ class SequenceState:
 
 
 class ShadowKVManager(CacheManager):
-    """Pools of slots, GPU pages, host value pages and device value pages, each unit `*_bytes` large."""
+    """Pools of slots, GPU pages, host value pages and device value pages, each unit `*_bytes` large. It keeps no
+    prefix cache: a ShadowKV prompt prefills whole (allocate returns 0), and its pages go back to the pools at its
+    end."""
 
     def __init__(self, config: ShadowKVConfig, num_slots: int, slot_bytes: int, num_gpu_pages: int,
                  gpu_page_bytes: int, num_host_pages: int, num_device_value_pages: int, value_page_bytes: int,
@@ -60,7 +62,7 @@ class ShadowKVManager(CacheManager):
         room = [(pool.num_free if free else pool.num_blocks, k, what) for pool, k, what in need]
         return [f"{what} ({k} needed, {r} {'free' if free else 'in all'})" for r, k, what in room if k > r]
 
-    def can_allocate(self, prompt_len: int, max_new_tokens: int) -> bool:
+    def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
         return not self._shortfall(self.pages_needed(prompt_len, max_new_tokens), free=True)
 
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
@@ -73,7 +75,8 @@ class ShadowKVManager(CacheManager):
         value = self.host_pages.unit_bytes
         return n * self.gpu_pages.unit_bytes + d * value + self.slots.unit_bytes, (n - d) * value
 
-    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int) -> None:
+    def allocate(self, seq_id: int, prompt_len: int, max_new_tokens: int,
+                 prompt_token_ids: list[int] | None = None) -> int:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already holds a ShadowKV slot")
         n = self.pages_needed(prompt_len, max_new_tokens)
@@ -93,8 +96,9 @@ class ShadowKVManager(CacheManager):
             value_table=torch.tensor(value_pages, dtype=torch.int64),
             num_shadow=num_shadow, window_len=prompt_len - num_shadow * C,
             num_outliers=min(self.config.outlier_chunks, num_shadow))
+        return 0
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
         st = self.seqs.pop(seq_id)
         host = self.host_pages.num_blocks
         self.gpu_pages.free(st.gpu_pages)
