@@ -354,3 +354,21 @@ def test_a_shadowkv_engine_caches_its_dense_sequences_prefixes_and_prefills_its_
     assert [s for s, _ in seen] == [[0], [48], [0], [0]]  # the long prompts are kept in shadows: no prefix cache
     assert llm.engine.clear_prefix_cache() > 0 and settled(llm.engine)
     assert llm.engine.stats()["host_bytes_in_use"] == 0
+
+
+def test_a_request_asking_prompt_logprobs_prefills_whole_over_a_cached_prefix(tiny_path, cold, monkeypatch):
+    """Prompt logprobs need every prompt position's hidden state: such a request skips the cached prefix."""
+    llm = engine_llm(tiny_path)
+    seen = record_prefills(llm.engine, monkeypatch)
+    doc = tokens(70, 13)
+    llm.generate([doc + tokens(3, 14)], GREEDY)
+    asking = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    prompt = doc + tokens(6, 15)
+    got, want = llm.generate([prompt], asking)[0], cold.generate([prompt], asking)[0]
+    assert seen == [([0], [73]), ([0], [76])]
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    assert [p.logprob for p in got.prompt_logprobs[1:]] == \
+        pytest.approx([p.logprob for p in want.prompt_logprobs[1:]], abs=1e-5)
+    assert [p.rank for p in got.prompt_logprobs[1:]] == [p.rank for p in want.prompt_logprobs[1:]]
+    assert got.token_ids == want.token_ids
+    assert settled(llm.engine)

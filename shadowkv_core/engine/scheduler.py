@@ -67,10 +67,11 @@ class Scheduler:
                 continue
             if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
                 break
-            if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens, seq.prompt_token_ids):
+            # prompt logprobs need every prompt position's hidden state: such a prompt is prefilled whole
+            lookup = seq.prompt_token_ids if seq.params.prompt_logprobs is None else None
+            if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens, lookup):
                 break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
-            seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens,
-                                                          seq.prompt_token_ids)
+            seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens, lookup)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.PREFILLING
             admitted.append(seq)
