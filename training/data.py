@@ -43,6 +43,7 @@ class Sample:
     items: tuple[str, ...]  # what the completion must contain, each scored on its own
     seed: int
     turns: tuple[Turn, ...] = ()  # a conversation's later questions (MULTITURN), asked after this one's answer
+    question: str = ""  # the text that ends the prompt: the question and the answer's opening
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None, 
     body = "".join(pieces) + haystack[cut:] + question
     ids = [BOS] + list(body.encode("ascii"))
     assert len(ids) == context, (len(ids), context)
-    return Sample(task, context, round(first_depth, 4), ids, answer, items, seed, turns)
+    return Sample(task, context, round(first_depth, 4), ids, answer, items, seed, turns, question)
 
 
 def _snap(haystack: str, at: int) -> int:
