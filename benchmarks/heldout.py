@@ -13,12 +13,11 @@ machine reads a frozen copy:
 from __future__ import annotations
 
 import argparse
-import gzip
 import random
 from functools import lru_cache
 from pathlib import Path
 
-from training.data import load_corpus
+from training.data import freeze, load_corpus, read_ascii
 from training.templates import MULTITURN, TASKS, ChainForm, NeedleForm, Phrasing, Templates
 
 CITIES = ("accra bergen cairo dakar dublin hanoi havana kyoto lagos lima lisbon manila minsk nairobi osaka oslo "
@@ -97,7 +96,8 @@ def held_out_documents() -> list[str]:
         kind = "info" if path.parent.name == "info" else "changelog"
         if taken[kind] >= _SOURCE_CAP:
             continue
-        text = "\n\n".join(p for p in _read_gzip(path).split("\n\n")
+        raw = read_ascii(path).replace("\x1f", "").replace("\f", "")  # info's node separators, training's doc one
+        text = "\n\n".join(p for p in raw.split("\n\n")
                            if not any(line.strip() in training_lines for line in p.splitlines()))
         if len(text) > 200:
             docs.append(text)
@@ -108,18 +108,8 @@ def held_out_documents() -> list[str]:
     return docs
 
 
-def _read_gzip(path: Path) -> str:
-    try:
-        return gzip.decompress(path.read_bytes()).decode("ascii", errors="ignore").replace("\x1f", "").replace("\f", "")
-    except (OSError, EOFError):
-        return ""
-
-
 def write_haystack(path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(held_out_documents()), encoding="ascii")
-    return path
+    return freeze(path, "\n\n".join(held_out_documents()))
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -61,30 +62,37 @@ def _system_documents() -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = sorted(p for p in stdlib.rglob("*.py")
                      if not ({"site-packages", "test", "tests"} & set(p.relative_to(stdlib).parts)))
-    docs = [_read_ascii(p) for p in licences]
+    docs = [read_ascii(p) for p in licences]
     for group in (copyrights, sources):
         taken = 0
         for path in group:
             if taken >= _SOURCE_CAP:
                 break
-            docs.append(_read_ascii(path))
+            docs.append(read_ascii(path))
             taken += len(docs[-1])
     return [d for d in docs if len(d) > 200]
 
 
-def _read_ascii(path: Path) -> str:
+def read_ascii(path: Path) -> str:
+    """A document's ASCII text (gunzipped if its name ends in .gz); "" if it cannot be read."""
     try:
-        return path.read_bytes().decode("ascii", errors="ignore")
-    except OSError:
+        raw = path.read_bytes()
+        return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("ascii", errors="ignore")
+    except (OSError, EOFError):
         return ""
+
+
+def freeze(path: str | Path, text: str) -> Path:
+    """Write haystack text into one file that can travel with a run."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="ascii")
+    return path
 
 
 def write_corpus(path: str | Path) -> Path:
     """Freeze this machine's haystack documents into one file (documents separated by form feeds)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\f".join(_system_documents()), encoding="ascii")
-    return path
+    return freeze(path, "\f".join(_system_documents()))
 
 
 @lru_cache(maxsize=4)
