@@ -3,13 +3,14 @@
 A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RMSNorm, SwiGLU) over the byte-level
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of training/data.py
-(language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Optionally, the terms of
-training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser (--key-rank-weight),
-a landmark divergence (--landmark-weight), a rank attention divergence (--rank-attention-weight) and a rank logit
-error (--rank-logit-weight); --key-proj-rank trains each k_proj as a product of that rank (saved merged), so the
-pre-RoPE keys have that rank whatever the input. The log reports every term at every log line either way;
-docs/accuracy.md says what they did. --init fine-tunes a saved model instead of training from scratch (with
---min-context, on the curriculum's longer stages only).
+(language-model loss on the haystack, weighted down, plus the loss on the answer tokens), in the words of
+--templates (training/templates.py: varied by default; ruler, the one form the shipped model saw). Optionally, the
+terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
+(--key-rank-weight), a landmark divergence (--landmark-weight), a rank attention divergence
+(--rank-attention-weight) and a rank logit error (--rank-logit-weight); --key-proj-rank trains each k_proj as a
+product of that rank (saved merged), so the pre-RoPE keys have that rank whatever the input. The log reports
+every term at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
+instead of training from scratch (with --min-context, on the curriculum's longer stages only).
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
 
@@ -68,7 +69,7 @@ def build_model(seed: int, device: str):
 
 def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None, templates: Templates):
     """(ids, lm_mask, answer_mask) of one task row; the masks mark the tokens whose prediction is scored."""
-    # a five-turn conversation takes about 900 tokens of questions, answers and needles: longer rows only
+    # a five-turn conversation's questions, answers and needles do not fit the curriculum's shortest rows
     tasks = [t for t in templates.tasks if t != MULTITURN or length >= MULTITURN_MIN_LENGTH]
     sample = make_sample(rng.choice(tasks), length - ANSWER_SLOT, seed, split="train", corpus_file=corpus_file,
                          templates=templates)
@@ -256,7 +257,8 @@ def main() -> None:
         factorise_key_projections(model, args.key_proj_rank)
     info = train(model, args, log)
     merge_key_projections(model)
-    info.update(init=args.init, templates=args.templates, key_proj_rank=args.key_proj_rank, key_rank_weight=args.key_rank_weight,
+    info.update(init=args.init, templates=args.templates, key_proj_rank=args.key_proj_rank,
+                key_rank_weight=args.key_rank_weight,
                 landmark_weight=args.landmark_weight,
                 rank_attention_weight=args.rank_attention_weight, rank_logit_weight=args.rank_logit_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
