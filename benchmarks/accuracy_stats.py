@@ -3,10 +3,11 @@
 A cell (task, context, method) holds n samples, each scored 0-100. Its interval is Wilson's score interval for a
 proportion, on the mean score: exact in kind where every sample scores 0 or 100 (one needle, one item), and
 conservative where samples score in between (several items), since a score in [0, 1] of mean p has a variance of at
-most p(1 - p), the all-or-nothing case. An average over cells (a task over its contexts, the task average) gets a
-normal interval: each cell's standard error taken from its Wilson interval (its width / 2z), the cells independent,
-so the average's error is the root of their squares' sum over the number of cells. Rows written before intervals
-(no per-sample scores) show their score and sample count without one.
+most p(1 - p), the all-or-nothing case. An average over k cells (a task over its contexts, the task average) is a sum
+of independent cells, so each side of its interval is the root of the sum of the cells' squared distances from their
+mean to that side of their Wilson interval, over k: Wilson's own interval for one cell, and as asymmetric near 0 and
+100 as the cells' are. Rows written before intervals (no per-sample scores) show their score and sample count
+without one.
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def cell_interval(scores: list[float]) -> tuple[float, float, float]:
     return (mean, *wilson(mean, len(scores)))
 
 
-def average_interval(cells: list[tuple[float, float, float]], z: float = Z95) -> tuple[float, float, float]:
-    """(mean, low, high) of the average of cells given as (mean, low, high): normal, each cell's standard error its
-    interval's width / 2z."""
-    mean = sum(c[0] for c in cells) / len(cells)
-    error = math.sqrt(sum(((c[2] - c[1]) / (2 * z)) ** 2 for c in cells)) / len(cells)
-    return mean, max(0.0, mean - z * error), min(100.0, mean + z * error)
+def average_interval(cells: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(mean, low, high) of the average of cells given as (mean, low, high): each side the root of the sum of the
+    cells' squared distances to that side, over the number of cells."""
+    k = len(cells)
+    mean = sum(c[0] for c in cells) / k
+    below = math.sqrt(sum((c[0] - c[1]) ** 2 for c in cells)) / k
+    above = math.sqrt(sum((c[2] - c[0]) ** 2 for c in cells)) / k
+    return mean, max(0.0, mean - below), min(100.0, mean + above)
 
 
 def row_interval(row: dict) -> tuple[float, float, float] | None:

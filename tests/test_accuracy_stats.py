@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.accuracy import kept_rows, markdown
-from benchmarks.accuracy_stats import Z95, average_interval, cell_interval, wilson
+from benchmarks.accuracy_stats import average_interval, cell_interval, wilson
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy.json"
 
@@ -30,13 +30,15 @@ def test_partial_credit_cell_is_wilson_on_its_mean():
     assert mean == 81.25 and (low, high) == wilson(81.25, 4)
 
 
-def test_average_of_cells_pools_their_standard_errors():
+def test_average_of_cells_pools_each_side_of_their_intervals():
     a, b = cell_interval([100] * 9 + [0]), cell_interval([100] * 5 + [0] * 5)
     mean, low, high = average_interval([a, b])
-    se = math.hypot((a[2] - a[1]) / (2 * Z95), (b[2] - b[1]) / (2 * Z95)) / 2
     assert mean == 70.0
-    assert low == pytest.approx(70 - Z95 * se) and high == pytest.approx(70 + Z95 * se)
-    assert average_interval([cell_interval([100] * 50)] * 2)[2] == 100.0  # clipped
+    assert low == pytest.approx(70 - math.hypot(a[0] - a[1], b[0] - b[1]) / 2)
+    assert high == pytest.approx(70 + math.hypot(a[2] - a[0], b[2] - b[0]) / 2)
+    assert average_interval([a]) == a  # one cell: its own Wilson interval
+    full = cell_interval([100] * 50)
+    assert average_interval([full] * 4) == (100.0, 100 - (100 - full[1]) / 2, 100.0)  # sqrt(4) / 4 of one side
 
 
 def test_markdown_shows_every_cell_with_intervals_and_old_rows_without():
