@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy import device_name, shadowkv_config
+from benchmarks.accuracy import device_name
+from benchmarks.accuracy_runs import shadowkv_config
 from shadowkv_core import LLM
 from shadowkv_core.cache.base import AttentionMetadata
 from training.data import BOS, TASKS, load_corpus, make_sample

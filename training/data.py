@@ -1,7 +1,9 @@
 """Synthetic long-context tasks (RULER-style) over natural-text haystacks, byte-level, from seeds.
 
 The same code feeds training (`training/train.py`) and evaluation (`benchmarks/accuracy.py`); the two draw from
-disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval").
+disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval"). The words
+(needle sentences, questions, keys, variable chains) and the haystack's source come from a `Templates`
+(training/templates.py: RULER, the default, and VARIED; the evaluation's held-out set is benchmarks/heldout.py's).
 
 Haystacks are text found on every Debian/Python machine, read in sorted order: the licences under
 /usr/share/common-licenses, the /usr/share/doc/*/copyright files and the running interpreter's stdlib sources.
@@ -16,23 +18,20 @@ A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from training.templates import MULTITURN, RULER, TASKS, ChainForm, NeedleForm, Phrasing, Templates, number
+
 BOS, EOS = 256, 257
 TRAIN_SEED_BASE = 1_000_000_000  # training seeds are >= this, evaluation seeds below it
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
 _EVAL_EVERY = 10  # every 10th document (in sorted order) is held out for evaluation
 _SOURCE_CAP = 6_000_000  # bytes taken from each of the two large sources
-_ADJECTIVES = ("amber azure bitter brave calm crimson dusty eager faint fierce gentle golden hollow icy jolly "
-               "lucky mellow misty noble olive pale quiet rapid royal rusty silent silver smoky solar swift "
-               "tender vivid").split()
-_NOUNS = ("anchor badger beacon canyon cedar comet delta ember falcon fjord garnet harbor heron island jaguar "
-          "lantern maple meadow nebula orchid otter pebble quartz raven river saddle summit tiger tundra "
-          "valley walrus willow").split()
+MULTITURN_TURNS = 5  # turns of a MULTITURN conversation, as the paper's Figure 7
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,15 @@ class Sample:
     answer: str  # the expected completion (the training target)
     items: tuple[str, ...]  # what the completion must contain, each scored on its own
     seed: int
+    turns: tuple[Turn, ...] = ()  # a conversation's later questions (MULTITURN), asked after this one's answer
+    question: str = ""  # the text that ends the prompt: the question and the answer's opening
+
+
+@dataclass(frozen=True)
+class Turn:
+    question: str
+    answer: str
+    items: tuple[str, ...]
 
 
 # ---------------------------------------------------------------- corpus
@@ -54,30 +62,37 @@ def _system_documents() -> list[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = sorted(p for p in stdlib.rglob("*.py")
                      if not ({"site-packages", "test", "tests"} & set(p.relative_to(stdlib).parts)))
-    docs = [_read_ascii(p) for p in licences]
+    docs = [read_ascii(p) for p in licences]
     for group in (copyrights, sources):
         taken = 0
         for path in group:
             if taken >= _SOURCE_CAP:
                 break
-            docs.append(_read_ascii(path))
+            docs.append(read_ascii(path))
             taken += len(docs[-1])
     return [d for d in docs if len(d) > 200]
 
 
-def _read_ascii(path: Path) -> str:
+def read_ascii(path: Path) -> str:
+    """A document's ASCII text (gunzipped if its name ends in .gz); "" if it cannot be read."""
     try:
-        return path.read_bytes().decode("ascii", errors="ignore")
-    except OSError:
+        raw = path.read_bytes()
+        return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("ascii", errors="ignore")
+    except (OSError, EOFError):
         return ""
+
+
+def freeze(path: str | Path, text: str) -> Path:
+    """Write haystack text into one file that can travel with a run."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="ascii")
+    return path
 
 
 def write_corpus(path: str | Path) -> Path:
     """Freeze this machine's haystack documents into one file (documents separated by form feeds)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\f".join(_system_documents()), encoding="ascii")
-    return path
+    return freeze(path, "\f".join(_system_documents()))
 
 
 @lru_cache(maxsize=4)
@@ -99,14 +114,6 @@ def text_stream(seed: int, length: int, corpus_file: str | None = None) -> list[
 
 # ---------------------------------------------------------------- needles and questions
 
-def _key(rng: random.Random) -> str:
-    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}-{rng.randrange(10, 100)}"
-
-
-def _number(rng: random.Random) -> str:
-    return str(rng.randrange(1_000_000, 10_000_000))
-
-
 def _distinct(rng: random.Random, make, count: int) -> list[str]:
     out: list[str] = []
     while len(out) < count:
@@ -116,57 +123,92 @@ def _distinct(rng: random.Random, make, count: int) -> list[str]:
     return out
 
 
-def _needle(key: str, value: str) -> str:
-    return f" The special magic number for {key} is: {value}. "
+@dataclass(frozen=True)
+class _Words:
+    """The forms one sample uses, drawn from its own stream (a set of one form draws nothing that matters, so RULER
+    samples are what they were before there were other sets)."""
+    form: NeedleForm
+    phrasing: Phrasing
+    make_key: object
+    chain: ChainForm
+    make_name: object
+
+    @classmethod
+    def draw(cls, templates: Templates, rng: random.Random) -> _Words:
+        return cls(rng.choice(templates.needles), rng.choice(templates.phrasings), rng.choice(templates.keys),
+                   rng.choice(templates.chains), rng.choice(templates.names))
+
+    def needle(self, key: str, value: str) -> str:
+        return self.form.needle.format(key=key, value=value)
+
+    def ask_one(self, key: str) -> str:
+        return self.phrasing.one.format(noun=self.form.noun, keys=key) + self.form.one.format(key=key)
 
 
-def _task_parts(task: str, rng: random.Random) -> tuple[list[str], list[int], str, str, tuple[str, ...]]:
-    """(needles, indices of the queried needles, question, answer, scored items). As in RULER, the question ends by
-    opening the answer's sentence, so the answer continues the needle's own words."""
+def _task_parts(task: str, rng: random.Random, words: _Words, turn: int | None):
+    """(needles, indices of the queried needles, question, answer, scored items, later turns). As in RULER, the
+    question ends by opening the answer's sentence, so the answer continues the needle's own words."""
+    form, phrasing = words.form, words.phrasing
     if task in ("niah_single", "niah_multikey"):
         count = 1 if task == "niah_single" else 4
-        keys, values = _distinct(rng, _key, count), _distinct(rng, _number, count)
+        keys, values = _distinct(rng, words.make_key, count), _distinct(rng, number, count)
         pick = rng.randrange(count)
-        question = _ask("is the special magic number", keys[pick]) + f"number for {keys[pick]} is: "
-        return [_needle(k, v) for k, v in zip(keys, values)], [pick], question, values[pick], (values[pick],)
+        needles = [words.needle(k, v) for k, v in zip(keys, values)]
+        return needles, [pick], words.ask_one(keys[pick]), values[pick], (values[pick],), ()
     if task == "niah_multivalue":
-        key, values = _key(rng), _distinct(rng, _number, 4)
-        question = _ask("are all the special magic numbers", key) + f"numbers for {key} are: "
-        return [_needle(key, v) for v in values], [0], question, ", ".join(values), tuple(values)
+        key, values = words.make_key(rng), _distinct(rng, number, 4)
+        question = phrasing.all.format(nouns=form.nouns, keys=key) + form.all.format(key=key)
+        return [words.needle(key, v) for v in values], [0], question, ", ".join(values), tuple(values), ()
     if task == "niah_multiquery":
-        keys, values = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
+        keys, values = _distinct(rng, words.make_key, 4), _distinct(rng, number, 4)
         first, second = sorted(rng.sample(range(4), 2))
-        question = (_ask("are the special magic numbers", f"{keys[first]} and {keys[second]}")
-                    + f"number for {keys[first]} is: ")
-        answer = f"{values[first]}. The special magic number for {keys[second]} is: {values[second]}"
-        return [_needle(k, v) for k, v in zip(keys, values)], [first, second], question, answer, \
-            (values[first], values[second])
+        question = (phrasing.two.format(nouns=form.nouns, keys=keys[first] + phrasing.join + keys[second])
+                    + form.one.format(key=keys[first]))
+        answer = f"{values[first]}. {form.one.format(key=keys[second])}{values[second]}"
+        return [words.needle(k, v) for k, v in zip(keys, values)], [first, second], question, answer, \
+            (values[first], values[second]), ()
     if task == "variable_tracking":
-        return _variable_chain(rng)
-    raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+        return _variable_chain(rng, words)
+    if task == MULTITURN:
+        return _conversation(rng, words, turn)
+    raise ValueError(f"unknown task {task!r}; known: {(*TASKS, MULTITURN)}")
 
 
-def _ask(what: str, keys: str) -> str:
-    return f"\nQuestion: What {what} for {keys}?\nAnswer: The special magic "
-
-
-def _variable_chain(rng: random.Random, hops: int = 4) -> tuple[list[str], list[int], str, str, tuple[str, ...]]:
-    names = _distinct(rng, lambda r: "".join(r.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)), hops)
+def _variable_chain(rng: random.Random, words: _Words, hops: int = 4):
+    names = _distinct(rng, words.make_name, hops)
     value = str(rng.randrange(10_000, 100_000))
-    needles = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i]} = VAR {names[i - 1]}. " for i in range(1, hops)]
-    question = (f"\nQuestion: Which variables are assigned the value {value}?\n"
-                f"Answer: The variables assigned the value {value} are: ")
-    return needles, [0], question, ", ".join(names), tuple(names)
+    chain = words.chain
+    needles = [chain.first.format(name=names[0], value=value)] + \
+        [chain.next.format(name=names[i], prev=names[i - 1]) for i in range(1, hops)]
+    return needles, [0], chain.ask.format(value=value), ", ".join(names), tuple(names), ()
+
+
+def _conversation(rng: random.Random, words: _Words, turn: int | None, turns: int = MULTITURN_TURNS):
+    """MULTITURN_TURNS needles of distinct keys, one asked per turn in a drawn order. The prompt asks turn `turn`
+    (None: a drawn one) after the earlier turns' questions, each followed by its right answer; the turns after it
+    are returned for a caller that goes on with its own answers (benchmarks/accuracy_tasks.py)."""
+    keys, values = _distinct(rng, words.make_key, turns), _distinct(rng, number, turns)
+    order = rng.sample(range(turns), turns)
+    drawn = rng.randrange(turns)
+    at = drawn if turn is None else turn
+    if not 0 <= at < turns:
+        raise ValueError(f"turn {turn} of a {turns}-turn conversation")
+    asked = [Turn(words.ask_one(keys[i]), values[i], (values[i],)) for i in order]
+    question = "".join(t.question + t.answer for t in asked[:at]) + asked[at].question
+    return [words.needle(k, v) for k, v in zip(keys, values)], [order[at]], question, asked[at].answer, \
+        asked[at].items, tuple(asked[at + 1:])
 
 
 # ---------------------------------------------------------------- assembly
 
-def make_sample(task: str, context: int, seed: int, depth: float | None = None,
-                split: str = "eval", corpus_file: str | None = None) -> Sample:
-    """One sample of `task` whose prompt is exactly `context` tokens; `depth` places the first queried needle
-    (None draws it). The other needles go to random depths."""
+def make_sample(task: str, context: int, seed: int, depth: float | None = None, split: str = "eval",
+                corpus_file: str | None = None, templates: Templates = RULER, turn: int | None = None) -> Sample:
+    """One sample of `task` whose prompt is exactly `context` tokens, in `templates`' words over its haystack (read
+    from `corpus_file` where it takes one); `depth` places the first queried needle (None draws it), the other
+    needles go to random depths. `turn`: which turn of a MULTITURN conversation the prompt asks (None draws it)."""
     rng = random.Random(f"{task}:{seed}")  # str seeds hash deterministically; tasks of one seed differ
-    needles, queried, question, answer, items = _task_parts(task, rng)
+    words = _Words.draw(templates, random.Random(f"{task}:{seed}:{templates.name}"))
+    needles, queried, question, answer, items, turns = _task_parts(task, rng, words, turn)
     depths = [rng.random() for _ in needles]
     if depth is not None:
         depths[queried[0]] = depth
@@ -175,7 +217,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None,
     budget = context - 1 - len(question) - sum(len(n) for n in needles)
     if budget < 16:
         raise ValueError(f"context {context} too short for task {task!r}")
-    text = load_corpus(split, corpus_file)
+    text = templates.haystack(split, corpus_file)
     start = rng.randrange(len(text) - budget)
     haystack = text[start:start + budget]
     pieces, cut, first_depth = [], 0, 0.0
@@ -188,7 +230,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None,
     body = "".join(pieces) + haystack[cut:] + question
     ids = [BOS] + list(body.encode("ascii"))
     assert len(ids) == context, (len(ids), context)
-    return Sample(task, context, round(first_depth, 4), ids, answer, items, seed)
+    return Sample(task, context, round(first_depth, 4), ids, answer, items, seed, turns, question)
 
 
 def _snap(haystack: str, at: int) -> int:

@@ -3,13 +3,14 @@
 A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RMSNorm, SwiGLU) over the byte-level
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of training/data.py
-(language-model loss on the haystack, weighted down, plus the loss on the answer tokens). Optionally, the terms of
-training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser (--key-rank-weight),
-a landmark divergence (--landmark-weight), a rank attention divergence (--rank-attention-weight) and a rank logit
-error (--rank-logit-weight); --key-proj-rank trains each k_proj as a product of that rank (saved merged), so the
-pre-RoPE keys have that rank whatever the input. The log reports every term at every log line either way;
-docs/accuracy.md says what they did. --init fine-tunes a saved model instead of training from scratch (with
---min-context, on the curriculum's longer stages only).
+(language-model loss on the haystack, weighted down, plus the loss on the answer tokens), in the words of
+--templates (training/templates.py: varied by default; ruler, the one form the shipped model saw). Optionally, the
+terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
+(--key-rank-weight), a landmark divergence (--landmark-weight), a rank attention divergence
+(--rank-attention-weight) and a rank logit error (--rank-logit-weight); --key-proj-rank trains each k_proj as a
+product of that rank (saved merged), so the pre-RoPE keys have that rank whatever the input. The log reports
+every term at every log line either way; docs/accuracy.md says what they did. --init fine-tunes a saved model
+instead of training from scratch (with --min-context, on the curriculum's longer stages only).
 Deterministic given --seed and the corpus file. Data come from the training split and training seeds; the closing
 evaluation (greedy, transformers, dense attention) from the held-out split and evaluation seeds.
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from shadowkv_core.tiny_model import save_byte_tokenizer
 from training.data import EOS, TASKS, TRAIN_SEED_BASE, answer_ids, make_sample, text_stream
+from training.templates import MULTITURN, TRAINING_TEMPLATES, Templates
 from training.evaluate import dense_eval, model_card
 from training.objectives import (ANSWER_SLOT, KEY_SUBSPACE_ITERS, KeyCapture, factorise_key_projections, key_rank,
                                  key_tail, landmark_divergence, merge_key_projections, rank_attention_divergence,
@@ -42,6 +44,7 @@ CURRICULUM = ((512, 2000), (1024, 1500), (2048, 1000), (4096, 800), (8192, 600),
 TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
+MULTITURN_MIN_LENGTH = 2048
 
 
 def model_config() -> dict:
@@ -64,9 +67,12 @@ def build_model(seed: int, device: str):
 
 # ---------------------------------------------------------------- data
 
-def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None):
+def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None, templates: Templates):
     """(ids, lm_mask, answer_mask) of one task row; the masks mark the tokens whose prediction is scored."""
-    sample = make_sample(rng.choice(TASKS), length - ANSWER_SLOT, seed, split="train", corpus_file=corpus_file)
+    # a five-turn conversation's questions, answers and needles do not fit the curriculum's shortest rows
+    tasks = [t for t in templates.tasks if t != MULTITURN or length >= MULTITURN_MIN_LENGTH]
+    sample = make_sample(rng.choice(tasks), length - ANSWER_SLOT, seed, split="train", corpus_file=corpus_file,
+                         templates=templates)
     answer = answer_ids(sample)
     prompt, pad = len(sample.prompt_ids), length - len(sample.prompt_ids) - len(answer)
     ids = sample.prompt_ids + answer + [EOS] * pad
@@ -81,6 +87,7 @@ class StepBatches(torch.utils.data.Dataset):
     def __init__(self, stages: list[tuple[int, int]], args):
         self.lengths = [length for length, steps in stages for _ in range(steps)]
         self.seed, self.tokens_per_step, self.corpus_file = args.seed, args.tokens_per_step, args.corpus_file
+        self.templates = TRAINING_TEMPLATES[args.templates]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -96,7 +103,7 @@ class StepBatches(torch.utils.data.Dataset):
                 ids = text_stream(row_seed, length, self.corpus_file)
                 rows.append((ids, [True] * (length - 1) + [False], [False] * length))
             else:
-                rows.append(task_row(rng, length, row_seed, self.corpus_file))
+                rows.append(task_row(rng, length, row_seed, self.corpus_file, self.templates))
         return tuple(torch.tensor(column) for column in zip(*rows))
 
 
@@ -203,6 +210,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", default="benchmarks/results/train_small_model.json", help="dense scores (JSON)")
     parser.add_argument("--corpus-file", default=None, help="frozen haystack text (training.data --write-corpus)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--templates", default="varied", choices=sorted(TRAINING_TEMPLATES),
+                        help="the task rows' words (training/templates.py): varied, several needle forms, key "
+                             "vocabularies, phrasings and a multi-turn task; ruler, the one form the shipped model "
+                             "was trained on")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
@@ -246,7 +257,8 @@ def main() -> None:
         factorise_key_projections(model, args.key_proj_rank)
     info = train(model, args, log)
     merge_key_projections(model)
-    info.update(init=args.init, key_proj_rank=args.key_proj_rank, key_rank_weight=args.key_rank_weight,
+    info.update(init=args.init, templates=args.templates, key_proj_rank=args.key_proj_rank,
+                key_rank_weight=args.key_rank_weight,
                 landmark_weight=args.landmark_weight,
                 rank_attention_weight=args.rank_attention_weight, rank_logit_weight=args.rank_logit_weight,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -50,7 +50,9 @@ class ShadowKVCache(KVCache):
             if self.device.type == "cuda" else None
         self.fetch_shape = fetch_shape(config, self.device)
         self.page_tables = PageTables(self.device)
-        self.chunk_scorer = None  # selection-policy hook (e.g. quest.QuestScorer); None: ShadowKV's landmarks
+        # selection-policy hook (quest.QuestScorer, baselines.StreamingScorer, baselines.SnapKVScorer): prefill(),
+        # fold() and scores(); None: ShadowKV's landmarks
+        self.chunk_scorer = None
         self._plans: dict[int, tuple[AttentionMetadata, DecodePlan]] = {}  # this forward's, by metadata object
 
     # ---- forward ----
@@ -138,6 +140,8 @@ class ShadowKVCache(KVCache):
         Hkv, d = wk.shape[-2:]
         lm = chunk_landmarks(wk[:, :half].reshape(L * half, Hkv, d), C).view(L, half // C, Hkv, d)
         self.gpu.write_landmarks(slice(None), st.gpu_table, st.num_shadow, lm)
+        if self.chunk_scorer is not None:
+            self.chunk_scorer.fold(st, wk[:, :half], C)
         self.host.write(slice(None), st.value_table, st.num_shadow * C, wv[:, :half])
         keep = st.window_len - half
         wk[:, :keep] = wk[:, half:st.window_len].clone()

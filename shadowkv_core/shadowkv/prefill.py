@@ -27,7 +27,7 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
         landmarks = chunk_landmarks(k_rot[:middle], C)  # (n, Hkv, d)
         cache.gpu.write_landmarks(layer, st.gpu_table, 0, landmarks)
         if cache.chunk_scorer is not None:
-            cache.chunk_scorer.prefill(layer, st, k_rot[:middle], C)
+            cache.chunk_scorer.prefill(layer, st, q, k_rot, C, cache.spec.scale)
         cache.host.write(layer, st.value_table, 0, v[:middle])
         if st.num_outliers:
             store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)

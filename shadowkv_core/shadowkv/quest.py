@@ -42,14 +42,21 @@ class QuestScorer:
     def __init__(self):
         self.bounds: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, layer) -> bounds
 
-    def prefill(self, layer: int, st: SequenceState, k_rot: torch.Tensor, chunk_size: int) -> None:
-        """k_rot (n*C, Hkv, d): the post-RoPE keys of the sequence's shadow chunks."""
-        self.bounds[(st.slot, layer)] = chunk_bounds(k_rot, chunk_size)
+    def prefill(self, layer: int, st: SequenceState, q: torch.Tensor, k_rot: torch.Tensor, chunk_size: int,
+                scale: float) -> None:
+        """q (P, Hq, d), k_rot (P, Hkv, d): the whole prompt's; its first st.num_shadow chunks are the shadow's."""
+        self.bounds[(st.slot, layer)] = chunk_bounds(k_rot[:st.num_shadow * chunk_size], chunk_size)
+
+    def fold(self, st: SequenceState, k_rot: torch.Tensor, chunk_size: int) -> None:
+        """The window's older half joins the shadow: its chunks' bounds follow. k_rot (L, h, Hkv, d), every layer."""
+        for layer in range(k_rot.shape[0]):
+            k_min, k_max = self.bounds[(st.slot, layer)]
+            new_min, new_max = chunk_bounds(k_rot[layer], chunk_size)
+            self.bounds[(st.slot, layer)] = torch.cat([k_min, new_min]), torch.cat([k_max, new_max])
 
     def scores(self, layer: int, st: SequenceState, q: torch.Tensor, excluded: torch.Tensor,
                scale: float) -> torch.Tensor:
         k_min, k_max = self.bounds[(st.slot, layer)]
         if k_min.shape[0] != st.num_shadow:
-            raise ValueError(f"Quest bounds cover the prompt's {k_min.shape[0]} shadow chunks, the sequence now has "
-                             f"{st.num_shadow}: generation folded its window (raise decode_window)")
+            raise ValueError(f"Quest bounds cover {k_min.shape[0]} shadow chunks, the sequence has {st.num_shadow}")
         return quest_scores(q, k_min, k_max, excluded, scale)

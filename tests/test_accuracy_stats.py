@@ -1,0 +1,65 @@
+"""The accuracy harness's intervals (benchmarks/accuracy_stats.py) against textbook values, and its tables and merge
+with rows written before intervals (the shipped benchmarks/results/accuracy.json)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.accuracy import kept_rows, markdown
+from benchmarks.accuracy_stats import average_interval, cell_interval, wilson
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy.json"
+
+
+@pytest.mark.parametrize("successes, n, low, high", [
+    (0, 10, 0.0, 27.75), (10, 10, 72.25, 100.0), (5, 10, 23.66, 76.34), (45, 50, 78.64, 95.65)])
+def test_wilson_matches_textbook_values(successes, n, low, high):
+    lo, hi = wilson(100 * successes / n, n)
+    assert lo == pytest.approx(low, abs=0.01) and hi == pytest.approx(high, abs=0.01)
+
+
+def test_wilson_narrows_with_samples_and_refuses_none():
+    assert wilson(90, 50)[1] - wilson(90, 50)[0] < wilson(90, 10)[1] - wilson(90, 10)[0]
+    with pytest.raises(ValueError, match="needs samples"):
+        wilson(50, 0)
+
+
+def test_partial_credit_cell_is_wilson_on_its_mean():
+    mean, low, high = cell_interval([100, 50, 75, 100])
+    assert mean == 81.25 and (low, high) == wilson(81.25, 4)
+
+
+def test_average_of_cells_pools_each_side_of_their_intervals():
+    a, b = cell_interval([100] * 9 + [0]), cell_interval([100] * 5 + [0] * 5)
+    mean, low, high = average_interval([a, b])
+    assert mean == 70.0
+    assert low == pytest.approx(70 - math.hypot(a[0] - a[1], b[0] - b[1]) / 2)
+    assert high == pytest.approx(70 + math.hypot(a[2] - a[0], b[2] - b[0]) / 2)
+    assert average_interval([a]) == a  # one cell: its own Wilson interval
+    full = cell_interval([100] * 50)
+    assert average_interval([full] * 4) == (100.0, 100 - (100 - full[1]) / 2, 100.0)  # sqrt(4) / 4 of one side
+
+
+def test_markdown_shows_every_cell_with_intervals_and_old_rows_without():
+    new = [{"task": "niah_single", "context": c, "method": m, "budget": b, "templates": "heldout", "samples": 4,
+            "score": 75.0, "scores": [100, 100, 100, 0]} for c in (4096, 8192)
+           for m, b in (("dense", 1.0), ("snapkv", 0.0156))]
+    old = [{"task": "niah_single", "context": 4096, "method": "dense", "budget": 1.0, "score": 90.0, "samples": 10}]
+    table = markdown(new + old)
+    lo, hi = wilson(75, 4)
+    assert f"| niah_single | 4096 | 75.0 [{lo:.1f}, {hi:.1f}] | 75.0 [{lo:.1f}, {hi:.1f}] |" in table
+    assert "| niah_single | 8192 |" in table
+    assert "### templates: heldout" in table and "### templates: ruler" in table
+    assert "| niah_single | 4096 | 90.0 (n=10, no interval) |" in table
+
+
+def test_the_shipped_rows_stay_readable_and_merge_by_templates(tmp_path):
+    rows = json.loads(RESULTS.read_text())
+    assert rows and all("scores" not in r for r in rows)  # written before intervals
+    table = markdown(rows)
+    assert "### templates: ruler" in table and "no interval" in table
+    path = tmp_path / "accuracy.json"
+    path.write_text(RESULTS.read_text())
+    assert kept_rows(path, [("dense", 1.0, "heldout")]) == rows  # another templates' run keeps them all
+    assert not any(r["method"] == "dense" for r in kept_rows(path, [("dense", 1.0, "ruler")]))

@@ -1,0 +1,56 @@
+"""The accuracy harness's two multi-step tasks (benchmarks/accuracy_runs.py): tokens fed through decode steps are the
+tokens the model sees, the long-generation prompt is the needle's prompt less its question, and each turn of a
+conversation re-sends the one before it with its answer."""
+import pytest
+
+import benchmarks.accuracy_runs as runs
+from benchmarks.accuracy_runs import build, generate, longgen_parts
+from shadowkv_core.tiny_model import build_tiny_model
+from training.data import make_sample
+from training.templates import MULTITURN, VARIED
+
+
+@pytest.mark.parametrize("method", ["dense", "shadowkv"])
+def test_fed_tokens_are_decoded_as_if_they_were_the_prompt(tmp_path, method):
+    """Feeding F after prompt P, one decode step at a time, answers as prefilling P + F does: for dense attention,
+    and for ShadowKV at a budget that takes every chunk (its window folds twice on the way)."""
+    model = str(build_tiny_model(tmp_path / "tiny"))
+    prompt, fed = list(range(40, 240)), list(range(60, 220))
+    budget = 2.0  # of the prompt: more chunks than the shadow will hold, folded ones included
+    fed_llm = build(model, method, len(prompt), budget, "cpu", 1.0, 600, forced=True)
+    whole_llm = build(model, method, len(prompt) + len(fed), budget, "cpu", 1.0, 600)
+    answer_fed, _ = generate(fed_llm, [prompt], [fed])
+    answer_whole, _ = generate(whole_llm, [prompt + fed])
+    assert answer_fed == answer_whole and len(answer_fed[0]) > 0
+
+
+def test_longgen_asks_the_needle_after_the_fed_text():
+    sample = make_sample("niah_multikey", 2048, seed=3, templates=VARIED)
+    text = "lorem ipsum dolor sit amet " * 200
+    prompt, fed = longgen_parts(sample, text, tokens=300)
+    question = list(sample.question.encode("ascii"))
+    assert prompt + question == sample.prompt_ids
+    assert len(fed) == 300 + len(question) and fed[300:] == question
+    assert bytes(fed[:300]).decode("ascii") in text
+    assert longgen_parts(sample, text, tokens=300) == (prompt, fed)  # seeded
+
+
+def test_each_turn_resends_the_conversation_with_the_methods_own_answers(monkeypatch):
+    samples = [make_sample(MULTITURN, 2048, seed, turn=0, templates=VARIED) for seed in range(2)]
+    seen = []
+
+    def answers(llm, prompts):  # the model: right on sample 0, wrong on sample 1
+        seen.append([list(p) for p in prompts])
+        turn = len(seen) - 1
+        right = samples[0].answer if turn == 0 else samples[0].turns[turn - 1].answer
+        return [right, "0000000"], []
+
+    monkeypatch.setattr(runs, "generate", answers)
+    scores, _ = runs.conversation(lambda longest: None, samples)
+    assert len(seen) == 5 and scores == [[100.0] * 5, [0.0] * 5]
+    assert seen[0] == [s.prompt_ids for s in samples]
+    for turn in range(1, 5):
+        for i, sample in enumerate(samples):
+            said = (samples[0].answer if turn == 1 else samples[0].turns[turn - 2].answer) if i == 0 else "0000000"
+            assert seen[turn][i] == seen[turn - 1][i] + list(said.encode()) + \
+                list(sample.turns[turn - 1].question.encode())

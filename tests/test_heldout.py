@@ -1,0 +1,111 @@
+"""The evaluation's held-out templates (benchmarks/heldout.py) against training's (training/templates.py): seeded and
+exact, and nothing of them that training's generator can produce: sentence forms, questions, keys, variable names,
+haystack text; and no module under training/ imports them."""
+import ast
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.heldout import HELDOUT, haystack, held_out_documents
+from training.data import BOS, load_corpus, make_sample, score
+from training.templates import MULTITURN, RULER, TASKS, TRAINING_TEMPLATES, VARIED
+
+TRAINING = tuple(TRAINING_TEMPLATES.values())
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pattern(form: str) -> re.Pattern:
+    """A template string as a regex: its literal text exact, each {placeholder} any text."""
+    parts = re.split(r"\{\w+\}", form.strip())
+    return re.compile("(.+?)".join(re.escape(p) for p in parts), re.S)
+
+
+def training_forms() -> list[str]:
+    forms = []
+    for t in TRAINING:
+        forms += [f for n in t.needles for f in (n.needle, n.one, n.all)]
+        forms += [f for p in t.phrasings for f in (p.one, p.all, p.two)]
+        forms += [f for c in t.chains for f in (c.first, c.next, c.ask)]
+    return forms
+
+
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_heldout_sample_is_seeded_exact_and_answerable(task):
+    a = make_sample(task, 2048, seed=4, templates=HELDOUT)
+    assert a == make_sample(task, 2048, seed=4, templates=HELDOUT)
+    assert a != make_sample(task, 2048, seed=5, templates=HELDOUT)
+    assert len(a.prompt_ids) == 2048 and a.prompt_ids[0] == BOS
+    text = bytes(a.prompt_ids[1:]).decode("ascii")
+    assert all(item in text[:text.rindex("\n")] for item in a.items)  # every answer item is in the context
+    assert score(a, a.answer) == 100.0
+
+
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_training_generator_cannot_produce_heldout_questions_or_needles(task):
+    """Each held-out prompt's question, and each of its needles, matches no training template string."""
+    forms = [pattern(f) for f in training_forms()]
+    for seed in range(20):
+        sample = make_sample(task, 2048, seed, templates=HELDOUT)
+        text = bytes(sample.prompt_ids[1:]).decode("ascii")
+        question = text[-200:]
+        needles = [n.needle.format(key=k, value=v) for n in HELDOUT.needles for k, v in [("K", "1")]]
+        for form in forms:
+            assert not form.search(question), (form.pattern, question)
+            assert not any(form.search(n) for n in needles), form.pattern
+        for turn in sample.turns:
+            assert not any(form.search(turn.question) for form in forms)
+
+
+def test_heldout_keys_and_names_share_no_word_with_training_vocabularies():
+    rng = random.Random(0)
+
+    def words(makers, n=3000):
+        return {w for make in makers for _ in range(n) for w in re.split(r"[^A-Za-z]+", make(rng).lower()) if w}
+
+    train_keys = words([k for t in TRAINING for k in t.keys] + [m for t in TRAINING for m in t.names])
+    held_keys = words(HELDOUT.keys + HELDOUT.names)
+    assert held_keys and train_keys and not held_keys & train_keys
+    train_shapes = [re.compile(r"[a-z]+-[a-z]+-\d\d"), re.compile(r"[a-z]+_[a-z]+_\d{3}"),
+                    re.compile(r"[A-Z]{3}-\d{4}"), re.compile(r"[A-Z]{5}"), re.compile(r"v_[a-z]{4}")]
+    assert all(shape.fullmatch(k(rng)) for shape, k in zip(train_shapes, [*VARIED.keys, *VARIED.names]))
+    for make in HELDOUT.keys + HELDOUT.names:
+        for _ in range(500):
+            key = make(rng)
+            assert not any(shape.fullmatch(key) for shape in train_shapes), key
+
+
+def test_varied_training_draws_several_forms_and_ruler_one():
+    def needle_forms(templates):
+        found = set()
+        for seed in range(60):
+            text = bytes(make_sample("niah_single", 1024, seed, split="train", templates=templates).prompt_ids[1:])
+            found |= {n.needle for n in templates.needles if pattern(n.needle).search(text.decode("ascii"))}
+        return found
+
+    assert len(needle_forms(VARIED)) == len(VARIED.needles) >= 3
+    assert needle_forms(RULER) == {RULER.needles[0].needle}
+
+
+def test_heldout_haystack_shares_no_line_with_the_training_corpus():
+    corpus = load_corpus("train") + load_corpus("eval")
+    lines = {line.strip() for line in corpus.splitlines() if len(line.strip()) >= 40}
+    docs = held_out_documents()
+    held = [line.strip() for d in docs for line in d.splitlines() if len(line.strip()) >= 40]
+    assert len(held) > 1000 and not lines.intersection(held)
+    rng = random.Random(1)
+    text = haystack("eval")
+    for _ in range(20):  # and no 200-byte window of it is in the corpus
+        at = rng.randrange(len(text) - 200)
+        assert text[at:at + 200] not in corpus
+    with pytest.raises(ValueError, match="evaluation only"):
+        haystack("train")
+
+
+def test_no_training_module_imports_the_heldout_templates():
+    for path in (ROOT / "training").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith("benchmarks") for n in names), (path, names)
