@@ -366,6 +366,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_choice": ["a", "b"], "min_tokens": 2}, 400,
+     "min_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tools"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),

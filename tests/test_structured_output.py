@@ -160,3 +160,10 @@ def test_a_forced_tool_call_parses_in_each_template_family(llm, family):
         assert content is None and len(calls) == 1, out.text
         assert calls[0]["function"]["name"] == "get_weather"
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA)
+
+
+def test_min_tokens_with_a_grammar_is_refused_by_name():
+    """The grammar decides where the output ends: masking the end under min_tokens could leave no token to draw."""
+    with pytest.raises(ValueError, match="^min_tokens: cannot be combined with structured output"):
+        SamplingParams(max_tokens=8, min_tokens=2, guided=GuidedDecoding("choice", ["yes", "no"], "guided_choice"))
+    assert SamplingParams(max_tokens=8, guided=GuidedDecoding("choice", ["yes", "no"], "guided_choice")).min_tokens == 0

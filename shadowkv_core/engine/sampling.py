@@ -79,6 +79,9 @@ class SamplingParams:
                    f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
                f"must be a GuidedDecoding, got {self.guided!r}")
+        # a grammar may allow nothing but the end before min_tokens are out, and masking the end would leave no token
+        _check(self.guided is None or self.min_tokens == 0, "min_tokens",
+               "cannot be combined with structured output: the grammar decides where the output ends")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)
