@@ -167,3 +167,14 @@ def test_min_tokens_with_a_grammar_is_refused_by_name():
     with pytest.raises(ValueError, match="^min_tokens: cannot be combined with structured output"):
         SamplingParams(max_tokens=8, min_tokens=2, guided=GuidedDecoding("choice", ["yes", "no"], "guided_choice"))
     assert SamplingParams(max_tokens=8, guided=GuidedDecoding("choice", ["yes", "no"], "guided_choice")).min_tokens == 0
+
+
+def test_a_tokenizer_llguidance_cannot_read_serves_all_but_structured_output():
+    """A word-level tokenizer (the geometry presets' random-weight models) has no decoder llguidance knows: the engine
+    still starts and serves, and only a constrained request is refused, naming its field and why."""
+    from shadowkv_core.models.geometry import TINY, write_geometry
+
+    llm = LLM(model=write_geometry(TINY), load_format="dummy", max_num_seqs=2, max_model_len=256, gpu_cache_gib=0.01)
+    assert len(llm.generate(["t1 t2 t3"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids) == 3
+    with pytest.raises(ValueError, match="^guided_choice: .*llguidance cannot read this model's tokenizer"):
+        llm.generate(["t1"], _params(GuidedDecoding("choice", ["t1", "t2"], "guided_choice")))

@@ -106,10 +106,14 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.lltokenizer = None if backend is None else llguidance.LLTokenizer(
-            backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
-        self.missing = ("this model ships no tokenizer" if tokenizer is None else
-                        "this model's tokenizer is not a fast (tokenizers) one")
+        self.lltokenizer, self.missing = None, ("this model ships no tokenizer" if tokenizer is None else
+                                                "this model's tokenizer is not a fast (tokenizers) one")
+        if backend is not None:
+            try:
+                self.lltokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                          eos_token=list(eos_token_ids) or None)
+            except ValueError as exc:  # a tokenizer llguidance cannot read serves everything but structured output
+                self.missing = f"llguidance cannot read this model's tokenizer ({exc})"
 
     def grammar(self, guided: GuidedDecoding) -> Grammar:
         if self.lltokenizer is None:
