@@ -223,6 +223,8 @@ def shadowkv_from(spec: str | dict | None) -> ShadowKVConfig | None:
 
 def engine_fields(app_args: dict, model: str) -> dict:
     """The EngineConfig fields an engine replica gets from a Serve application's args (configs/*.yaml): device, dtype,
-    max_num_seqs, max_model_len, shadowkv, and the `engine` mapping's own fields; `model` as resolved."""
-    fields = {key: app_args[key] for key in ("device", "dtype", "max_num_seqs", "max_model_len") if key in app_args}
+    max_num_seqs, max_model_len, tensor_parallel_size, shadowkv, and the `engine` mapping's own fields; `model` as
+    resolved."""
+    fields = {key: app_args[key] for key in ("device", "dtype", "max_num_seqs", "max_model_len", "tensor_parallel_size")
+              if key in app_args}
     return {"model": model, **fields, "shadowkv": shadowkv_from(app_args.get("shadowkv")), **app_args.get("engine", {})}

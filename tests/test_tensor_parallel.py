@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from serve_app.engine_replica import engine_footprint
 from shadowkv_core import LLM, EngineConfig, SamplingParams, ShadowKVConfig
 from shadowkv_core.engine.cache_factory import build_cache
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
@@ -137,11 +138,16 @@ ENGINE = dict(max_num_seqs=4, max_model_len=128, gpu_cache_gib=0.01, host_cache_
 @pytest.mark.parametrize("shadowkv", [None, FULL_SHADOW], ids=["dense", "shadowkv"])
 def test_engine_of_two_ranks_gives_the_same_greedy_tokens(tiny_path, shadowkv):
     prompts = [p.tolist() for p in _prompts()]
-    ref = LLM(model=tiny_path, shadowkv=shadowkv, **ENGINE).generate(prompts, GREEDY)
+    one = LLM(model=tiny_path, shadowkv=shadowkv, **ENGINE)
+    ref = one.generate(prompts, GREEDY)
     llm = LLM(model=tiny_path, shadowkv=shadowkv, tensor_parallel_size=2, **ENGINE)
     try:
         assert isinstance(llm.engine, TensorParallelEngine)
         outs = llm.generate(prompts, GREEDY)
+        # admission counts one rank's bytes, as its cache reserves them: about half of one rank holding every head
+        rank_bytes = llm.engine.footprint(64, 16)
+        assert engine_footprint(llm.engine).predict(64, 16) == rank_bytes
+        assert 0 < rank_bytes[0] < one.engine.footprint(64, 16)[0]
     finally:
         llm.engine.close()
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
