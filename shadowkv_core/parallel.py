@@ -37,7 +37,10 @@ class TensorParallel:
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
                          timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
     """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere."""
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # NCCL's communicator for this rank binds the current device
+    backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return TensorParallel(rank, size)

@@ -85,13 +85,22 @@ def run_ranks(fn, size, *args):
     return out
 
 
-@pytest.mark.parametrize("kind", ["dense", "shadowkv"])
-def test_two_ranks_give_one_ranks_logits(tiny_path, kind):
+@pytest.fixture(scope="module")
+def phi3_path(tmp_path_factory):
+    # a checkpoint that fuses qkv_proj and gate_up_proj: each rank reads its rows of every section
+    path = tmp_path_factory.mktemp("phi3")
+    build_tiny_hf_model("phi3", path, seed=4)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["dense", "shadowkv", "phi3-dense"])
+def test_two_ranks_give_one_ranks_logits(request, kind):
+    path = request.getfixturevalue("phi3_path" if kind.startswith("phi3") else "tiny_path")
     shadowkv = FULL_SHADOW if kind == "shadowkv" else None
-    ref = _logits(tiny_path, shadowkv)
-    ranks = run_ranks(_logits, 2, tiny_path, shadowkv)
+    ref = _logits(path, shadowkv)
+    ranks = run_ranks(_logits, 2, path, shadowkv)
     for rank, logits in ranks.items():
-        assert_close_to(logits, ref, f"{kind} rank {rank}")
+        assert_close_to(logits, ref, f"{kind} rank {rank}")  # fp32: only the all-reduce's summation order differs
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
     assert torch.equal(ranks[0], ranks[1])  # replicated lm_head over all-reduced states: the ranks sample alike
 

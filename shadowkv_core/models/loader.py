@@ -115,12 +115,12 @@ def load_weights(decoder: Decoder, files: list[Path]) -> None:
                     raise ValueError(f"{file.name}: tensor {name!r} has no place in a {decoder.spec.architecture}")
                 param = params[param_name]
                 tensor = f.get_slice(name)
-                shape = tuple(tensor.get_shape())
+                shape, expected = tuple(tensor.get_shape()), _full_shape(decoder.spec, param_name, param, num_rows,
+                                                                         size)
+                if shape != expected:
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {shape}, expected {expected}")
                 for src, dst in _pieces(decoder.spec, param_name, start, shape, rank, size):
                     rows = param[dst] if dst is not None else param
-                    if _sliced_shape(shape, src) != tuple(rows.shape):
-                        raise ValueError(f"{file.name}: tensor {name!r} has shape {shape}, its part {src} does not "
-                                         f"fit the parameter's {tuple(rows.shape)}")
                     rows.copy_(tensor[src])
                     rows_loaded[param_name] += rows.shape[0]
     missing = [name for name, rows in rows_loaded.items() if rows != params[name].shape[0]]
@@ -136,9 +136,7 @@ def _pieces(spec: ModelSpec, param_name: str, start: int, shape: tuple[int, ...]
     row-parallel ones (o_proj, down_proj weights) the rank's share of the input columns; the rest is replicated."""
     sections = _column_sections(spec, param_name)
     if sections is None:
-        if param_name.endswith(("o_proj.weight", "down_proj.weight")) and size > 1:
-            if len(shape) != 2 or shape[1] % size:
-                raise ValueError(f"{param_name}: shape {shape} does not split over {size} ranks by columns")
+        if _row_parallel(param_name) and size > 1:
             part = shape[1] // size
             return [((slice(None), slice(rank * part, (rank + 1) * part)), None)]
         return [((slice(None),), None)]
@@ -162,9 +160,19 @@ def _column_sections(spec: ModelSpec, param_name: str) -> list[int] | None:
     return None
 
 
-def _sliced_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
-    dims = [len(range(*s.indices(n))) for s, n in zip(index, shape)]
-    return tuple(dims) + shape[len(index):]
+def _row_parallel(param_name: str) -> bool:
+    return param_name.endswith(("o_proj.weight", "down_proj.weight"))
+
+
+def _full_shape(spec: ModelSpec, param_name: str, param: torch.Tensor, num_rows: int | None,
+                size: int) -> tuple[int, ...]:
+    """The shape a checkpoint tensor loaded into `param` (a rank's shard, or its rows `num_rows` of a fused
+    parameter in the full model) has in the full model."""
+    sections = _column_sections(spec, param_name)
+    rows = num_rows or (sum(sections) if sections else param.shape[0])
+    if _row_parallel(param_name):
+        return rows, param.shape[1] * size
+    return (rows, *param.shape[1:])
 
 
 def _target(spec: ModelSpec, name: str) -> tuple[str, int, int | None] | None:
