@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from serve_app.engine_replica import engine_footprint
-from shadowkv_core import LLM, EngineConfig, SamplingParams, ShadowKVConfig
+from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core.engine.cache_factory import build_cache
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
 from shadowkv_core.models import load_model
@@ -131,7 +131,11 @@ def test_each_rank_loads_its_slices(tiny_path):
         assert torch.equal(shard["lm_head.weight"], params["lm_head.weight"])
 
 
-def test_rank_spec_refuses_uneven_split(tiny_path):
+def test_bad_splits_are_refused(tiny_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(model=tiny_path, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="start_engine"):  # several ranks need their group
+        LLMEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2))
     _, spec = load_model(tiny_path, torch.float32, "cpu")
     assert rank_spec(spec, 2).num_kv_heads == 1
     with pytest.raises(ValueError, match="num_key_value_heads"):

@@ -57,6 +57,8 @@ class TensorParallelEngine:
             self.engine = LLMEngine(config, self.tp)
         except Exception:
             self._end_workers()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
 
     def __getattr__(self, name: str):
