@@ -12,10 +12,11 @@ import torch.multiprocessing as mp
 
 from serve_app.engine_replica import engine_footprint
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.cache_factory import build_cache
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
 from shadowkv_core.models import load_model
-from shadowkv_core.parallel import init_tensor_parallel, rank_shadowkv, rank_spec
+from shadowkv_core.parallel import TensorParallel, init_tensor_parallel, rank_shadowkv, rank_spec
 from support.model_factory import assert_close_to, build_tiny_hf_model, decode, prefill
 
 # The tiny model has 2 KV heads of 16 dims: rank 32 is full rank (16 per rank of 2), and the budget covers every
@@ -142,6 +143,16 @@ def test_bad_splits_are_refused(tiny_path):
         rank_spec(spec, 4)
     with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
         rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=33), 2)
+
+
+def test_memory_model_counts_one_ranks_weights_and_cache(tiny_path):
+    _, spec = load_model(tiny_path, torch.float32, "cpu")
+    whole = mm.Geometry.from_spec(spec, torch.float32)
+    rank = whole.rank_share(2)
+    assert rank == mm.Geometry.from_spec(rank_spec(spec, 2), torch.float32)
+    shard_params = sum(p.numel() for p in _shard(tiny_path, TensorParallel(0, 2)).values())  # loading runs no collective
+    assert rank.weight_bytes == 4 * shard_params  # fp32: replicated embeddings, norms and row-parallel biases once
+    assert 2 * mm.dense_block_bytes(rank, 16) == mm.dense_block_bytes(whole, 16)
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
