@@ -6,7 +6,6 @@ fused Triton kernels (kernels/), each tested against the PyTorch code here."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +15,9 @@ from kernels.rmsnorm import rms_norm
 from kernels.swiglu import silu_mul
 
 from ..cache.base import AttentionMetadata, KVCache
+from ..parallel import TensorParallel
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec
-
-if TYPE_CHECKING:
-    from ..parallel import TensorParallel
 
 
 def chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
