@@ -25,6 +25,7 @@ FULL_SHADOW = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_
                              min_context=0, decode_window=16, device_value_share=0.0)
 PROMPT_LENS = (37, 20)
 VOCAB = 128
+CHUNK_TOKENS = 16  # the prefill's token chunks: a row-parallel projection all-reduces each chunk
 DECODE_STEPS = 20  # past decode_window: the window folds into each rank's shadow
 
 
@@ -44,9 +45,9 @@ def _prompts():
 def _logits(path: str, shadowkv: ShadowKVConfig | None, tp=None) -> torch.Tensor:
     """Prefill the prompts, then greedy-decode DECODE_STEPS tokens; every step's logits, stacked (steps, B, vocab)."""
     size = 1 if tp is None else tp.size
-    decoder, spec = load_model(path, torch.float32, "cpu", tp=tp)
+    decoder, spec = load_model(path, torch.float32, "cpu", CHUNK_TOKENS, tp=tp)
     config = EngineConfig(model=path, max_num_seqs=2, gpu_cache_gib=0.01, host_cache_gib=0.01,
-                          shadowkv=rank_shadowkv(shadowkv, size))
+                          prefill_chunk_tokens=CHUNK_TOKENS, shadowkv=rank_shadowkv(shadowkv, size))
     cache = build_cache(config, decoder.rank_spec, torch.float32, torch.device("cpu"), decoder.rotary, 512)
     prompts = _prompts()
     for i, p in enumerate(prompts):
