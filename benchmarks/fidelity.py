@@ -84,24 +84,44 @@ def compare(dense: dict, sparse: dict) -> dict:
             "hit_rate_per_step": [round(h, 3) for h in sparse["hit_rate"]]}
 
 
+def rank_split_tail(keys: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """key_tail when each of `ranks` tensor-parallel ranks factorises its own KV heads (its slice of the W columns)
+    at rank/ranks: the share of the whole key energy outside the ranks' subspaces. keys (B, L, W) -> (B,)."""
+    parts = keys.float().chunk(ranks, dim=-1)
+    energy = torch.stack([p.square().sum((1, 2)) for p in parts])  # (ranks, B)
+    tails = torch.stack([key_tail(p, rank // ranks) for p in parts])
+    return (tails * energy).sum(0) / energy.sum(0).clamp(min=1e-12)
+
+
 @torch.inference_mode()
-def key_tail_energy(model: str, context: int, samples: int, device: str, rank_share: float = RANK_SHARE) -> dict:
+def key_tail_energy(model: str, context: int, samples: int, device: str, rank_share: float = RANK_SHARE,
+                    ranks: int = 1) -> dict:
     """Per layer, the mean over `samples` task prompts (evaluation seeds, tasks in turn) of the share of pre-RoPE key
-    energy outside the top-r eigen-directions, r = rank_share * kv_heads*head_dim (ShadowKV's rank)."""
+    energy outside the top-r eigen-directions, r = rank_share * kv_heads*head_dim (ShadowKV's rank); with ranks > 1,
+    also that share when each tensor-parallel rank factorises its own heads at r/ranks (rank_split_tail)."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
     cfg = hf.config
     width = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     rank = max(1, round(rank_share * width))
-    capture, tails = KeyCapture(hf), []
+    capture, tails, split = KeyCapture(hf), [], []
     for seed in range(samples):
         prompt = make_sample(TASKS[seed % len(TASKS)], context, seed).prompt_ids
         hf.model(input_ids=torch.tensor([prompt], device=device))  # the decoder alone: keys, no logits
-        tails.append(torch.cat([key_tail(k, rank) for k in capture.take()]).tolist())  # (layers,)
+        keys = capture.take()
+        tails.append(torch.cat([key_tail(k, rank) for k in keys]).tolist())  # (layers,)
+        if ranks > 1:
+            split.append(torch.cat([rank_split_tail(k, rank, ranks) for k in keys]).tolist())
     capture.close()
+    out = {"context": context, "samples": samples, "rank": rank, "width": width, **_layer_means("", tails)}
+    if ranks > 1:
+        out |= {"ranks": ranks, **_layer_means("per_rank_", split)}
+    return out
+
+
+def _layer_means(prefix: str, tails: list[list[float]]) -> dict:
     layer_tail = [round(sum(t[i] for t in tails) / len(tails), 4) for i in range(len(tails[0]))]
-    return {"context": context, "samples": samples, "rank": rank, "width": width, "layer_tail": layer_tail,
-            "mean_tail": round(sum(layer_tail) / len(layer_tail), 4)}
+    return {f"{prefix}layer_tail": layer_tail, f"{prefix}mean_tail": round(sum(layer_tail) / len(layer_tail), 4)}
 
 
 @torch.inference_mode()
@@ -167,6 +187,9 @@ def main() -> None:
     parser.add_argument("--key-tail-only", action="store_true", help="print the key tail energy, write nothing")
     parser.add_argument("--needle-probe", action="store_true",
                         help="print, per layer, how often each chunk score finds a needle (needle_probe), and stop")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="key tail also when each of this many ranks factorises its own KV heads at rank/N")
+    parser.add_argument("--key-tail-out", help="with --key-tail-only: also write the key tails to this JSON file")
     parser.add_argument("--out", default="benchmarks/results/fidelity.json")
     args = parser.parse_args()
     if args.needle_probe:
@@ -177,11 +200,17 @@ def main() -> None:
                       + " ".join(f"{name} {share:.1f}" for name, share in shares.items()), flush=True)
         return
     rows, start = [], time.time()
-    key_tails = [key_tail_energy(args.model, c, args.key_tail_samples, args.device) for c in args.contexts]
+    key_tails = [key_tail_energy(args.model, c, args.key_tail_samples, args.device, ranks=args.tensor_parallel)
+                 for c in args.contexts]
     for t in key_tails:
         print(f"{t['context']:6d} key tail energy outside rank {t['rank']} of {t['width']}, per layer "
               f"{t['layer_tail']} (mean {t['mean_tail']})", flush=True)
+        if "ranks" in t:
+            print(f"{t['context']:6d} ... each of {t['ranks']} ranks at rank {t['rank'] // t['ranks']} of its heads: "
+                  f"per layer {t['per_rank_layer_tail']} (mean {t['per_rank_mean_tail']})", flush=True)
     if args.key_tail_only:
+        if args.key_tail_out:
+            Path(args.key_tail_out).write_text(json.dumps({**_meta(args, start), "key_tail": key_tails}, indent=1))
         return
     for context in args.contexts:
         for seed in range(args.seeds):
@@ -195,10 +224,13 @@ def main() -> None:
                 r = rows[-1]
                 print(f"{context:6d} seed {seed} budget {budget:.4f}: top-1 {r['top1_agreement']:5.1f} % "
                       f"hit {r['hit_rate']:.2f} cosine per layer {r['layer_cosine']}", flush=True)
-    meta = {"command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]), "device": device_name(args.device),
+    Path(args.out).write_text(json.dumps({**_meta(args, start), "key_tail": key_tails, "rows": rows}, indent=1))
+
+
+def _meta(args: argparse.Namespace, start: float) -> dict:
+    return {"command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]), "device": device_name(args.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "seconds": round(time.time() - start, 1)}
-    Path(args.out).write_text(json.dumps({**meta, "key_tail": key_tails, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

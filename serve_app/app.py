@@ -43,7 +43,8 @@ class AppArgs(BaseModel):
     max_model_len: int | None = None
     shadowkv: str | dict[str, Any] | None = None  # a preset name ("paper", "small") or ShadowKVConfig fields
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig fields
-    num_gpus: float = Field(default=0, ge=0)
+    num_gpus: float = Field(default=0, ge=0)  # per tensor-parallel rank
+    tensor_parallel_size: int = Field(default=1, ge=1)  # ranks (GPUs of one host) per engine replica
     num_cpus: float = Field(default=1, ge=0)
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
@@ -102,9 +103,11 @@ def require_gpus(args: AppArgs, wait_s: float, poll_s: float = 1.0) -> None:
     """A replica that asks for GPUs on a Ray cluster without them would wait forever to be placed: fail the start-up
     instead, once `wait_s` has passed without the cluster showing the GPUs one replica needs."""
     deadline = time.monotonic() + wait_s
-    while (have := ray.cluster_resources().get("GPU", 0)) < args.num_gpus:
+    need = replica_gpus(args)
+    while (have := ray.cluster_resources().get("GPU", 0)) < need:
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"no GPU: each engine replica needs {args.num_gpus:g} (num_gpus, device {args.device!r}) "
+            raise RuntimeError(f"no GPU: each engine replica needs {need:g} (num_gpus x tensor_parallel_size, device "
+                               f"{args.device!r}) "
                                f"but this Ray cluster has {have:g} after {wait_s:g} s; serve configs/local.yaml on a "
                                f"machine without a GPU, or set {GPU_WAIT_ENV} where GPU nodes start on demand")
         time.sleep(poll_s)
@@ -114,8 +117,14 @@ def engine_config(args: AppArgs, model: str) -> dict[str, Any]:
     return engine_fields(args.model_dump(), model)
 
 
+def replica_gpus(args: AppArgs) -> float:
+    """GPUs one replica asks Ray for: one actor holds all its ranks' GPUs, so they are GPUs of one host; the
+    replica's N-1 worker processes inherit its CUDA_VISIBLE_DEVICES (engine/tensor_parallel.py)."""
+    return args.num_gpus * args.tensor_parallel_size
+
+
 def replica_options(args: AppArgs) -> dict[str, Any]:
-    options: dict[str, Any] = {"ray_actor_options": {"num_gpus": args.num_gpus, "num_cpus": args.num_cpus},
+    options: dict[str, Any] = {"ray_actor_options": {"num_gpus": replica_gpus(args), "num_cpus": args.num_cpus},
                                "max_ongoing_requests": 2 * args.max_num_seqs,
                                "max_queued_requests": 4 * args.max_num_seqs}  # at the ingress's handle
     if args.max_replicas > args.min_replicas:

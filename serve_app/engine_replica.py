@@ -1,4 +1,5 @@
-"""The engine deployment: one replica per device, owning one `LLMEngine`.
+"""The engine deployment: one replica per device (or per tensor-parallel group of devices of one host), owning one
+`LLMEngine` (or a `TensorParallelEngine`, rank 0 of the group, which drives its N-1 worker processes).
 
 One worker thread owns the engine; an async step loop on the replica's event loop hands it the requests that
 arrived (and the aborts) since the last step, runs `engine.step()` there, and hands each request's newest output to
@@ -29,6 +30,7 @@ from serve_app.replica_stream import RequestStream
 from serve_app.router import MemoryAwareRouter
 from shadowkv_core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from shadowkv_core import memory_model as mm
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine, start_engine
 
 logger = logging.getLogger("ray.serve")
 ROUTING_STATS_PERIOD_S = 0.5
@@ -43,11 +45,12 @@ def load_malloc_trim():
         return None
 
 
-def engine_footprint(engine: LLMEngine) -> Footprint:
-    """The memory model for this engine's model, dtype and cache configuration."""
+def engine_footprint(engine: LLMEngine | TensorParallelEngine) -> Footprint:
+    """The memory model for this engine's model, dtype and cache configuration; with tensor parallelism one rank's
+    (its heads, its ShadowKV config): every rank holds the same share, as its reported free bytes count."""
     dtype = next(engine.model.parameters()).dtype
-    return Footprint(mm.Geometry.from_spec(engine.spec, dtype, engine.config.kv_cache_dtype), engine.shadowkv,
-                     engine.config.block_size)
+    geometry = mm.Geometry.from_spec(engine.model.rank_spec, dtype, engine.config.kv_cache_dtype)
+    return Footprint(geometry, engine.shadowkv, engine.config.block_size)
 
 
 def replica_location() -> dict[str, str]:
@@ -82,7 +85,7 @@ class _Held:
 )
 class EngineReplica:
     def __init__(self, engine_config: dict, served_model_name: str):
-        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.engine = start_engine(EngineConfig(**engine_config))
         self.served_model_name = served_model_name
         self.max_num_seqs = self.engine.config.max_num_seqs
         self.footprint = engine_footprint(self.engine)
@@ -162,6 +165,8 @@ class EngineReplica:
             raise RuntimeError(f"the engine step loop has stopped: {self._loop_task.exception()!r}")
         if self._step_started is not None and time.monotonic() - self._step_started > UNHEALTHY_AFTER_S:
             raise RuntimeError(f"an engine step has run for more than {UNHEALTHY_AFTER_S:.0f} s")
+        if isinstance(self.engine, TensorParallelEngine) and self.engine.error is not None:
+            raise RuntimeError(f"a tensor-parallel rank failed: {self.engine.error}")  # Serve replaces the replica
 
     # ---- the step loop ---------------------------------------------------------------------------------------
     def _refusal(self, request_id: str) -> dict | None:

@@ -117,6 +117,8 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     kv_cache_dtype: how the dense cache keeps keys and values: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32
         scale per token and KV head: about half the bytes of a block, so about twice the dense sequences).
+    tensor_parallel_size: ranks (GPUs of one host) a replica's model is split over (parallel.py); each rank holds its
+        share of the heads and its own cache of them, so the memory model counts one rank's bytes.
     enable_prefix_caching: keep the full KV blocks of finished prefills and ended sequences, indexed by their tokens,
         so that a prompt starting with them prefills only the rest (dense sequences; cache/prefix.py). Cached blocks no
         sequence holds count as free: an allocation evicts them, least recently used first.
@@ -155,6 +157,7 @@ class EngineConfig:
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
     use_kernels: bool | str = AUTO
     pipeline_decode: bool | str = AUTO
     pipeline_min_batch: int | str = AUTO
@@ -180,6 +183,8 @@ class EngineConfig:
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
@@ -218,6 +223,8 @@ def shadowkv_from(spec: str | dict | None) -> ShadowKVConfig | None:
 
 def engine_fields(app_args: dict, model: str) -> dict:
     """The EngineConfig fields an engine replica gets from a Serve application's args (configs/*.yaml): device, dtype,
-    max_num_seqs, max_model_len, shadowkv, and the `engine` mapping's own fields; `model` as resolved."""
-    fields = {key: app_args[key] for key in ("device", "dtype", "max_num_seqs", "max_model_len") if key in app_args}
+    max_num_seqs, max_model_len, tensor_parallel_size, shadowkv, and the `engine` mapping's own fields; `model` as
+    resolved."""
+    fields = {key: app_args[key] for key in ("device", "dtype", "max_num_seqs", "max_model_len", "tensor_parallel_size")
+              if key in app_args}
     return {"model": model, **fields, "shadowkv": shadowkv_from(app_args.get("shadowkv")), **app_args.get("engine", {})}

@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 
 from .config import EngineConfig, ShadowKVConfig
-from .engine import LLMEngine, RequestOutput, SamplingParams
+from .engine import RequestOutput, SamplingParams
+from .engine.tensor_parallel import start_engine
 
 
 class LLM:
@@ -13,7 +14,7 @@ class LLM:
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
                  shadowkv: ShadowKVConfig | None = None, **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, shadowkv=shadowkv,
+        self.engine = start_engine(EngineConfig(model=model, device=device, dtype=dtype, shadowkv=shadowkv,
                                              **engine_kwargs))
         self._ids = itertools.count()
 

@@ -51,6 +51,14 @@ class Geometry:
                    spec.intermediate_size, spec.vocab_size, dtype.itemsize, spec.tie_word_embeddings,
                    spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.qk_norm, spec.post_norms, kv_cache_dtype)
 
+    def rank_share(self, size: int) -> Geometry:
+        """One tensor-parallel rank's geometry (parallel.rank_spec): 1/size of the heads and of the intermediate;
+        embeddings and norms replicated, as Geometry.from_spec(rank_spec) counts them."""
+        if self.num_kv_heads % size or self.num_q_heads % size or self.intermediate_size % size:
+            raise ValueError(f"tensor-parallel size {size} does not divide the model's heads and intermediate")
+        return dataclasses.replace(self, num_q_heads=self.num_q_heads // size, num_kv_heads=self.num_kv_heads // size,
+                                   intermediate_size=self.intermediate_size // size)
+
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
@@ -360,15 +368,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="dense cache: model dtype or fp8")
     parser.add_argument("--device-value-share", default="0",
                         help="share of values in device memory, or 'auto': the best for each context")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="ranks per replica: one rank's GPU and host bytes (--rank stays the replica's, over all "
+                             "KV heads; each rank factorises its own at rank/N)")
     args = parser.parse_args(argv)
-    g = dataclasses.replace(load_geometry(args.model), kv_cache_dtype=args.kv_cache_dtype)
+    tp = args.tensor_parallel
+    g = dataclasses.replace(load_geometry(args.model), kv_cache_dtype=args.kv_cache_dtype).rank_share(tp)
     share = args.device_value_share if args.device_value_share == AUTO else float(args.device_value_share)
-    cfg = ShadowKVConfig(rank=args.rank, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
+    if args.rank % tp:
+        raise ValueError(f"--rank {args.rank} must be a multiple of --tensor-parallel {tp}")
+    cfg = ShadowKVConfig(rank=args.rank // tp, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
                          outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share)
     cfg.check_model(g.num_kv_heads, g.head_dim)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
     print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, "
-          f"host {args.host_gib} GiB")
+          f"host {args.host_gib} GiB" + (f" (one of {tp} tensor-parallel ranks)" if tp > 1 else ""))
     print(f"{'context':>9} {'dense':>6} {'shadowkv':>9} {'ratio':>6} {'share':>6} {'GPU/seq GiB':>12} "
           f"{'host/seq GiB':>13}")
     for context in args.context:

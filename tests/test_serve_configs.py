@@ -31,7 +31,7 @@ def _deployments(raw_args: dict) -> dict:
     return {d.name: d for d in built.deployments}
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml", "prod-70b.yaml"])
 def test_config_is_a_valid_serve_config_with_valid_args(name):
     schema = ServeDeploySchema.model_validate(_config(name))
     assert schema.applications[0].import_path == "serve_app.app:build_app"
@@ -71,7 +71,15 @@ def test_local_serves_the_shipped_small_model_from_any_working_directory(tmp_pat
     assert engine.ray_actor_options["num_gpus"] == 0 and engine.num_replicas == 1
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+def test_prod_70b_asks_each_replica_for_its_tensor_parallel_gpus():
+    args = AppArgs(**_args("prod-70b.yaml"))
+    assert args.tensor_parallel_size in (4, 8)
+    engine = _deployments(_args("prod-70b.yaml"))["EngineReplica"]
+    assert engine.ray_actor_options["num_gpus"] == args.tensor_parallel_size * args.num_gpus
+    assert engine.init_args[0]["tensor_parallel_size"] == args.tensor_parallel_size  # the engine's EngineConfig
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml", "prod-70b.yaml"])
 def test_no_shipped_config_serves_random_weights(name):
     args = AppArgs(**_args(name))
     assert args.engine.get("load_format", "auto") != "dummy"

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, tokens out, one scheduling step at a time (the API the server drives)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -10,6 +11,7 @@ import torch
 
 from ..config import EngineConfig, ShadowKVConfig, choose
 from ..models import load_model, load_tokenizer
+from ..parallel import TensorParallel, rank_device, rank_shadowkv
 from ..shadowkv.hybrid import HybridCache
 from ..transfers import Readback
 from .cache_factory import build_cache
@@ -37,18 +39,25 @@ class InFlightDecode:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """One replica's engine; with tensor_parallel_size > 1, one rank's (tp), driven by engine/tensor_parallel.py."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
+        size = 1 if tp is None else tp.size
+        if size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: a replica of several ranks starts "
+                             "through engine.tensor_parallel.start_engine, each rank with its TensorParallel")
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.device) if tp is None else rank_device(config.device, tp.rank)
         self.model, self.spec = load_model(config.model, config.requested_dtype(), self.device,
-                                           config.prefill_chunk_tokens, config.load_format)
+                                           config.prefill_chunk_tokens, config.load_format, tp)
         self.tokenizer = load_tokenizer(config.model)
         self.text = TextProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.eos_ids = tuple(sorted(self.eos_token_ids))  # the sampler's mask under min_tokens
-        self.cache = build_cache(config, self.spec, next(self.model.parameters()).dtype, self.device,
+        rank_config = dataclasses.replace(config, shadowkv=rank_shadowkv(config.shadowkv, size))
+        self.cache = build_cache(rank_config, self.model.rank_spec, next(self.model.parameters()).dtype, self.device,
                                  self.model.rotary, self.max_model_len)
         cuda = self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, self.device,
@@ -320,6 +329,12 @@ class LLMEngine:
         for seq in list(seqs):
             seq.finish("error", f"{type(exc).__name__}: {exc}")
             self._release(seq)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Fail every request held (a replica that can no longer step): their last outputs."""
+        seqs = list(self.requests.values())
+        self._fail(seqs, RuntimeError(reason))
+        return [seq.output(0) for seq in seqs]
 
     def _release(self, seq: Sequence) -> None:
         """Drop a finished, failed or aborted request from the running batch and the prefill under way, and free its

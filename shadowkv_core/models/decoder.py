@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..cache.base import AttentionMetadata, KVCache
+from ..parallel import TensorParallel, rank_spec
 from .layers import DecoderLayer, RMSNorm, chunked
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec
@@ -12,17 +13,22 @@ from .spec import ModelSpec
 
 class Decoder(nn.Module):
     """Parameters are allocated uninitialised on `device` in `dtype` (no random init of billions of weights);
-    `load_model` fills them from the checkpoint."""
+    `load_model` fills them from the checkpoint.
+
+    With tp, this rank's shard (parallel.py): its layers hold `rank_spec`'s heads and intermediate, and the embedding,
+    norms and lm_head are replicated, so every rank computes the same logits and samples the same tokens."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefill_chunk_tokens: int = 8192):
+                 prefill_chunk_tokens: int = 8192, tp: TensorParallel | None = None):
         super().__init__()
         self.spec = spec
+        self.tp = tp
+        self.rank_spec = spec if tp is None else rank_spec(spec, tp.size)  # what this rank's layers and cache hold
         self.chunk_tokens = prefill_chunk_tokens
         self.rotary = RotaryEmbedding(spec, device)
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary, prefill_chunk_tokens)
+            self.layers = nn.ModuleList(DecoderLayer(self.rank_spec, i, self.rotary, prefill_chunk_tokens, tp)
                                         for i in range(spec.num_layers))
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

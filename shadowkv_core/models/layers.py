@@ -15,6 +15,7 @@ from kernels.rmsnorm import rms_norm
 from kernels.swiglu import silu_mul
 
 from ..cache.base import AttentionMetadata, KVCache
+from ..parallel import TensorParallel
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec
 
@@ -65,11 +66,28 @@ class RMSNorm(nn.Module):
         return self(total), total
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split over the tensor-parallel ranks: each rank's partial product is
+    summed by one all-reduce, then the (replicated) bias is added once. Without tp, nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel | None):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """spec: the rank's geometry (parallel.rank_spec): gate/up column-parallel, down_proj row-parallel."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
@@ -77,7 +95,10 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int):
+    """spec: the rank's geometry (parallel.rank_spec): its query and KV heads column-parallel, o_proj row-parallel."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.rotary = rotary
@@ -86,7 +107,7 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
@@ -133,11 +154,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, chunk_tokens: int,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.chunk_tokens = chunk_tokens
-        self.self_attn = Attention(spec, layer_idx, rotary, chunk_tokens)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer_idx, rotary, chunk_tokens, tp)
+        self.mlp = MLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..parallel import TensorParallel
 from .decoder import Decoder
 from .spec import ModelSpec
 
@@ -22,9 +23,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_model(model: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               prefill_chunk_tokens: int = 8192, load_format: str = "auto") -> tuple[Decoder, ModelSpec]:
+               prefill_chunk_tokens: int = 8192, load_format: str = "auto",
+               tp: TensorParallel | None = None) -> tuple[Decoder, ModelSpec]:
     """model: a local directory or a hub id. dtype None: the checkpoint's torch_dtype (float32 if it names none).
-    load_format "dummy": random weights of the real architecture (speed runs; only config.json is read)."""
+    load_format "dummy": random weights of the real architecture (speed runs; only config.json is read).
+    tp: this rank's shard of a tensor-parallel replica (parallel.py); the spec returned is the whole model's."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = resolve_model_path(model)
@@ -32,7 +35,7 @@ def load_model(model: str, dtype: torch.dtype | None = None, device: torch.devic
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         raise ValueError(f"{path}: sliding_window={spec.sliding_window} (< max_position_embeddings="
                          f"{spec.max_position_embeddings}) is not supported: this engine attends to the whole context")
-    decoder = Decoder(spec, dtype or spec.torch_dtype or torch.float32, device, prefill_chunk_tokens)
+    decoder = Decoder(spec, dtype or spec.torch_dtype or torch.float32, device, prefill_chunk_tokens, tp)
     if load_format == "dummy":
         init_random_weights(decoder)
     else:
@@ -41,15 +44,16 @@ def load_model(model: str, dtype: torch.dtype | None = None, device: torch.devic
 
 
 def init_random_weights(decoder: Decoder, seed: int = 0) -> None:
-    """Norm weights 1, biases 0, everything else N(0, 0.02): activations stay in range through many layers."""
-    gen = torch.Generator(device=next(decoder.parameters()).device).manual_seed(seed)
-    for name, param in decoder.named_parameters():
+    """Norm weights 1, biases 0, everything else N(0, 0.02): activations stay in range through many layers. Each
+    parameter draws from its own seed, so the replicated ones are equal on every tensor-parallel rank."""
+    device = next(decoder.parameters()).device
+    for index, (name, param) in enumerate(decoder.named_parameters()):
         if "norm" in name:
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
         else:
-            param.normal_(0.0, 0.02, generator=gen)
+            param.normal_(0.0, 0.02, generator=torch.Generator(device=device).manual_seed(seed + index))
 
 
 def load_tokenizer(model: str):
@@ -94,10 +98,12 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(decoder: Decoder, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its parameter (or its rows of a fused one); every row must be filled."""
+    """Copy every checkpoint tensor into its parameter (or its rows of a fused one); every row must be filled. A
+    tensor-parallel rank reads only its own slices of the split projections (safetensors' get_slice)."""
     params = dict(decoder.named_parameters())
     rows_loaded = dict.fromkeys(params, 0)
     device = str(next(iter(params.values())).device)
+    rank, size = (0, 1) if decoder.tp is None else (decoder.tp.rank, decoder.tp.size)
     for file in files:
         with safe_open(str(file), framework="pt", device=device) as f:
             for name in f.keys():
@@ -108,16 +114,65 @@ def load_weights(decoder: Decoder, files: list[Path]) -> None:
                 if param_name not in params:
                     raise ValueError(f"{file.name}: tensor {name!r} has no place in a {decoder.spec.architecture}")
                 param = params[param_name]
-                rows = param[start:start + num_rows] if num_rows else param
-                tensor = f.get_tensor(name)
-                if tensor.shape != rows.shape:
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(rows.shape)}")
-                rows.copy_(tensor)
-                rows_loaded[param_name] += rows.shape[0]
+                tensor = f.get_slice(name)
+                shape, expected = tuple(tensor.get_shape()), _full_shape(decoder.spec, param_name, param, num_rows,
+                                                                         size)
+                if shape != expected:
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {shape}, expected {expected}")
+                for src, dst in _pieces(decoder.spec, param_name, start, shape, rank, size):
+                    rows = param[dst] if dst is not None else param
+                    rows.copy_(tensor[src])
+                    rows_loaded[param_name] += rows.shape[0]
     missing = [name for name, rows in rows_loaded.items() if rows != params[name].shape[0]]
     if missing:
         raise ValueError(f"checkpoint lacks weights for {len(missing)} parameters, e.g. {', '.join(missing[:4])}")
+
+
+def _pieces(spec: ModelSpec, param_name: str, start: int, shape: tuple[int, ...], rank: int,
+            size: int) -> list[tuple[tuple[slice, ...], slice | None]]:
+    """(slice of the checkpoint tensor, rows of the rank's parameter or None for all of it) for each part of one
+    checkpoint tensor that rank `rank` of `size` holds. The tensor covers the full parameter's rows [start, start +
+    shape[0]). Column-parallel parameters (fused qkv, gate/up) hold the rank's share of every section's rows;
+    row-parallel ones (o_proj, down_proj weights) the rank's share of the input columns; the rest is replicated."""
+    sections = _column_sections(spec, param_name)
+    if sections is None:
+        if _row_parallel(param_name) and size > 1:
+            part = shape[1] // size
+            return [((slice(None), slice(rank * part, (rank + 1) * part)), None)]
+        return [((slice(None),), None)]
+    pieces, full, local = [], 0, 0
+    for section in sections:
+        part = section // size
+        first = full + rank * part
+        if start <= first and first + part <= start + shape[0]:
+            pieces.append(((slice(first - start, first - start + part),), slice(local, local + part)))
+        full, local = full + section, local + part
+    return pieces
+
+
+def _column_sections(spec: ModelSpec, param_name: str) -> list[int] | None:
+    """Rows of each section of a fused column-parallel parameter in the full model; None for other parameters."""
+    if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        kv = spec.num_kv_heads * spec.head_dim
+        return [spec.num_heads * spec.head_dim, kv, kv]
+    if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+        return [spec.intermediate_size] * 2
+    return None
+
+
+def _row_parallel(param_name: str) -> bool:
+    return param_name.endswith(("o_proj.weight", "down_proj.weight"))
+
+
+def _full_shape(spec: ModelSpec, param_name: str, param: torch.Tensor, num_rows: int | None,
+                size: int) -> tuple[int, ...]:
+    """The shape a checkpoint tensor loaded into `param` (a rank's shard, or its rows `num_rows` of a fused
+    parameter in the full model) has in the full model."""
+    sections = _column_sections(spec, param_name)
+    rows = num_rows or (sum(sections) if sections else param.shape[0])
+    if _row_parallel(param_name):
+        return rows, param.shape[1] * size
+    return (rows, *param.shape[1:])
 
 
 def _target(spec: ModelSpec, name: str) -> tuple[str, int, int | None] | None:

@@ -1,0 +1,77 @@
+"""Tensor parallelism inside one replica (Megatron-style): each of N ranks of one host holds 1/N of the attention
+and KV heads and of the MLP's intermediate, and its own cache of its KV heads; the two row-parallel projections
+(o_proj, down_proj) end in one all-reduce each. NCCL on GPUs, gloo on the CPU."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .config import ShadowKVConfig
+from .models.spec import ModelSpec
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' collectives after this long
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a replica's tensor-parallel group (the default process group)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place; a timeout or a lost peer raises (the step's requests then fail)."""
+        dist.all_reduce(x)
+        return x
+
+    def broadcast(self, obj):
+        """Rank 0's obj on every rank."""
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
+                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+    """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # NCCL's communicator for this rank binds the current device
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallel(rank, size)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r of a CUDA replica runs on cuda:r; on the CPU every rank shares the host."""
+    dev = torch.device(device)
+    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+
+
+def check_divisible(spec: ModelSpec, size: int) -> None:
+    for name, value in (("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads),
+                        ("intermediate_size", spec.intermediate_size)):
+        if value % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({value})")
+
+
+def rank_spec(spec: ModelSpec, size: int) -> ModelSpec:
+    """The geometry one rank of `size` computes and caches: its share of the heads and of the MLP's intermediate."""
+    check_divisible(spec, size)
+    return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=spec.num_kv_heads // size,
+                               intermediate_size=spec.intermediate_size // size)
+
+
+def rank_shadowkv(cfg: ShadowKVConfig | None, size: int) -> ShadowKVConfig | None:
+    """A rank's ShadowKV config: `rank` counts the replica's factorisation over all KV heads, so each rank factorises
+    its own heads at rank/size (the same U bytes in all, no communication)."""
+    if cfg is None or size == 1:
+        return cfg
+    if cfg.rank % size:
+        raise ValueError(f"shadowkv rank {cfg.rank} must be a multiple of tensor_parallel_size {size}: each rank "
+                         "factorises its own KV heads at rank/tensor_parallel_size")
+    return dataclasses.replace(cfg, rank=cfg.rank // size)

@@ -1,0 +1,198 @@
+"""Tensor parallelism inside a replica, on the CPU over gloo: 2 ranks give 1 rank's logits and greedy tokens (dense
+and ShadowKV at full rank and budget), the weights load sharded, and a rank that dies fails its requests cleanly."""
+import dataclasses
+import io
+import os
+import signal
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from serve_app.engine_replica import engine_footprint
+from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core import memory_model as mm
+from shadowkv_core.engine.cache_factory import build_cache
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
+from shadowkv_core.models import load_model
+from shadowkv_core.parallel import TensorParallel, init_tensor_parallel, rank_shadowkv, rank_spec
+from support.model_factory import assert_close_to, build_tiny_hf_model, decode, prefill
+
+# The tiny model has 2 KV heads of 16 dims: rank 32 is full rank (16 per rank of 2), and the budget covers every
+# context here, so each rank's shadow of its one KV head is exact.
+FULL_SHADOW = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
+                             min_context=0, decode_window=16, device_value_share=0.0)
+PROMPT_LENS = (37, 20)
+VOCAB = 128
+CHUNK_TOKENS = 16  # the prefill's token chunks: a row-parallel projection all-reduces each chunk
+DECODE_STEPS = 20  # past decode_window: the window folds into each rank's shadow
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    # 4 heads, 2 KV heads, random norms and biases: the row-parallel biases must be added once
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_hf_model("llama", path, seed=3, attention_bias=True, mlp_bias=True)
+    return str(path)
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
+
+
+def _logits(path: str, shadowkv: ShadowKVConfig | None, tp=None) -> torch.Tensor:
+    """Prefill the prompts, then greedy-decode DECODE_STEPS tokens; every step's logits, stacked (steps, B, vocab)."""
+    size = 1 if tp is None else tp.size
+    decoder, spec = load_model(path, torch.float32, "cpu", CHUNK_TOKENS, tp=tp)
+    config = EngineConfig(model=path, max_num_seqs=2, gpu_cache_gib=0.01, host_cache_gib=0.01,
+                          prefill_chunk_tokens=CHUNK_TOKENS, shadowkv=rank_shadowkv(shadowkv, size))
+    cache = build_cache(config, decoder.rank_spec, torch.float32, torch.device("cpu"), decoder.rotary, 512)
+    prompts = _prompts()
+    for i, p in enumerate(prompts):
+        cache.manager.allocate(i, len(p), DECODE_STEPS)
+    last = torch.tensor(PROMPT_LENS).cumsum(0) - 1
+    steps = [prefill(decoder, cache, prompts)[last]]
+    lens = list(PROMPT_LENS)
+    for _ in range(DECODE_STEPS - 1):
+        steps.append(decode(decoder, cache, steps[-1].argmax(-1).tolist(), lens))
+        lens = [n + 1 for n in lens]
+    return torch.stack(steps)
+
+
+def _rank_main(rank, size, init_method, fn, args, results):
+    tp = init_tensor_parallel(rank, size, init_method, "cpu", timeout_s=60)
+    try:
+        buffer = io.BytesIO()
+        torch.save(fn(*args, tp=tp), buffer)  # bytes, not shared memory: this process ends before they are read
+        results.put((rank, buffer.getvalue()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn, size, *args):
+    """fn(*args, tp=...) on `size` gloo ranks, each a process; {rank: result}."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [ctx.Process(target=_rank_main, args=(r, size, init_method, fn, args, results)) for r in range(size)]
+        for p in procs:
+            p.start()
+        out = {rank: torch.load(io.BytesIO(data)) for rank, data in (results.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def phi3_path(tmp_path_factory):
+    # a checkpoint that fuses qkv_proj and gate_up_proj: each rank reads its rows of every section
+    path = tmp_path_factory.mktemp("phi3")
+    build_tiny_hf_model("phi3", path, seed=4)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["dense", "shadowkv", "phi3-dense"])
+def test_two_ranks_give_one_ranks_logits(request, kind):
+    path = request.getfixturevalue("phi3_path" if kind.startswith("phi3") else "tiny_path")
+    shadowkv = FULL_SHADOW if kind == "shadowkv" else None
+    ref = _logits(path, shadowkv)
+    ranks = run_ranks(_logits, 2, path, shadowkv)
+    for rank, logits in ranks.items():
+        assert_close_to(logits, ref, f"{kind} rank {rank}")  # fp32: only the all-reduce's summation order differs
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    assert torch.equal(ranks[0], ranks[1])  # replicated lm_head over all-reduced states: the ranks sample alike
+
+
+def _shard(path, tp):
+    decoder, _ = load_model(path, torch.float32, "cpu", tp=tp)
+    return {name: p.clone() for name, p in decoder.named_parameters()}
+
+
+def test_each_rank_loads_its_slices(tiny_path):
+    full, spec = load_model(tiny_path, torch.float32, "cpu")
+    params = dict(full.named_parameters())
+    ranks = run_ranks(_shard, 2, tiny_path)
+    q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    for r, shard in ranks.items():
+        qkv = params["layers.1.self_attn.qkv_proj.weight"]
+        rows = [qkv[r * q // 2:(r + 1) * q // 2], qkv[q + r * kv // 2:q + (r + 1) * kv // 2],
+                qkv[q + kv + r * kv // 2:q + kv + (r + 1) * kv // 2]]
+        assert torch.equal(shard["layers.1.self_attn.qkv_proj.weight"], torch.cat(rows))
+        gate_up = params["layers.0.mlp.gate_up_proj.weight"]
+        assert torch.equal(shard["layers.0.mlp.gate_up_proj.weight"],
+                           torch.cat([gate_up[r * inter // 2:(r + 1) * inter // 2],
+                                      gate_up[inter + r * inter // 2:inter + (r + 1) * inter // 2]]))
+        assert torch.equal(shard["layers.0.self_attn.o_proj.weight"],
+                           params["layers.0.self_attn.o_proj.weight"][:, r * q // 2:(r + 1) * q // 2])
+        assert torch.equal(shard["layers.1.mlp.down_proj.weight"],
+                           params["layers.1.mlp.down_proj.weight"][:, r * inter // 2:(r + 1) * inter // 2])
+        assert torch.equal(shard["lm_head.weight"], params["lm_head.weight"])
+
+
+def test_bad_splits_are_refused(tiny_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(model=tiny_path, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="start_engine"):  # several ranks need their group
+        LLMEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2))
+    _, spec = load_model(tiny_path, torch.float32, "cpu")
+    assert rank_spec(spec, 2).num_kv_heads == 1
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        rank_spec(spec, 4)
+    with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
+        rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=33), 2)
+
+
+def test_memory_model_counts_one_ranks_weights_and_cache(tiny_path):
+    _, spec = load_model(tiny_path, torch.float32, "cpu")
+    whole = mm.Geometry.from_spec(spec, torch.float32)
+    rank = whole.rank_share(2)
+    assert rank == mm.Geometry.from_spec(rank_spec(spec, 2), torch.float32)
+    shard_params = sum(p.numel() for p in _shard(tiny_path, TensorParallel(0, 2)).values())  # loading runs no collective
+    assert rank.weight_bytes == 4 * shard_params  # fp32: replicated embeddings, norms and row-parallel biases once
+    assert 2 * mm.dense_block_bytes(rank, 16) == mm.dense_block_bytes(whole, 16)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+ENGINE = dict(max_num_seqs=4, max_model_len=128, gpu_cache_gib=0.01, host_cache_gib=0.01)
+
+
+@pytest.mark.parametrize("shadowkv", [None, FULL_SHADOW], ids=["dense", "shadowkv"])
+def test_engine_of_two_ranks_gives_the_same_greedy_tokens(tiny_path, shadowkv):
+    prompts = [p.tolist() for p in _prompts()]
+    one = LLM(model=tiny_path, shadowkv=shadowkv, **ENGINE)
+    ref = one.generate(prompts, GREEDY)
+    llm = LLM(model=tiny_path, shadowkv=shadowkv, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert isinstance(llm.engine, TensorParallelEngine)
+        outs = llm.generate(prompts, GREEDY)
+        # admission counts one rank's bytes, as its cache reserves them: about half of one rank holding every head
+        rank_bytes = llm.engine.footprint(64, 16)
+        assert engine_footprint(llm.engine).predict(64, 16) == rank_bytes
+        assert 0 < rank_bytes[0] < one.engine.footprint(64, 16)[0]
+    finally:
+        llm.engine.close()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_a_rank_that_dies_fails_its_requests(tiny_path):
+    engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, **ENGINE), timeout_s=20)
+    try:
+        engine.add_request("a", _prompts()[0].tolist(), dataclasses.replace(GREEDY, max_tokens=80))
+        for _ in range(3):
+            assert not any(o.finished for o in engine.step())
+        os.kill(engine.workers[0].pid, signal.SIGKILL)
+        outs = []
+        while engine.requests:
+            outs += engine.step()
+        failed = [o for o in outs if o.request_id == "a" and o.finished]
+        assert len(failed) == 1 and failed[0].finish_reason == "error"
+        assert "tensor-parallel replica failed" in failed[0].error
+        with pytest.raises(RuntimeError, match="tensor-parallel replica failed"):
+            engine.add_request("b", [1, 2, 3], GREEDY)
+    finally:
+        engine.close()
