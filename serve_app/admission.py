@@ -27,6 +27,7 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.cache.prefix import block_hashes
 
 HOLD_TIMES_KEPT = 32  # the predicted wait follows recent requests, not the service's whole history
+ENDED_KEPT_S = 60.0  # how long a request that ended before any report listed it waits for a late report to list it
 AFFINITY_KEYS_KEPT = 16384  # prefixes whose replica a board remembers, the least recently placed forgotten first
 
 
@@ -54,8 +55,9 @@ class Footprint:
 class _Replica:
     """One replica's last report and this process's requests on it: `reserved` (placed, not in the report yet, so
     not in its free bytes), `counted` (placed and in the report), `credited` (ended here, still in the report: its
-    bytes are free again although the report does not say so yet), `ended` (ended here while only reserved: a report
-    taken before its end may still list it, and is then credited with it)."""
+    bytes are free again although the report does not say so yet), `ended` (ended here while only reserved, with the
+    time it ended: a report taken before its end may still list it, and is then credited with it; reports taken
+    before it reached the replica do not list it, so it waits for one that does, up to ENDED_KEPT_S)."""
 
     free_gpu: int
     free_host: int
@@ -64,25 +66,27 @@ class _Replica:
     reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
     counted: dict[str, tuple[int, int]] = field(default_factory=dict)
     credited: dict[str, tuple[int, int]] = field(default_factory=dict)
-    ended: dict[str, tuple[int, int]] = field(default_factory=dict)
+    ended: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def room(self) -> tuple[int, int, int]:
         gpu = self.free_gpu - _total(self.reserved, 0) + _total(self.credited, 0)
         host = self.free_host - _total(self.reserved, 1) + _total(self.credited, 1)
         return gpu, host, self.free_slots - len(self.reserved) + len(self.credited)
 
-    def reported(self, stats: dict) -> "_Replica":
+    def reported(self, stats: dict, now: float) -> "_Replica":
         """This replica after a fresh report: what the report lists is counted, what it no longer lists is gone."""
         listed = set(stats.get("request_ids", ()))
         held = {**self.reserved, **self.counted}
+        ended = {k: need for k, (need, _) in self.ended.items()}
         return _Replica(stats["free_gpu_bytes"], stats["free_host_bytes"], stats["free_slots"], stats,
                         reserved={k: v for k, v in self.reserved.items() if k not in listed},
                         counted={k: v for k, v in held.items() if k in listed and k not in self.credited},
-                        credited={k: v for k, v in {**self.credited, **self.ended}.items() if k in listed})
+                        credited={k: v for k, v in {**self.credited, **ended}.items() if k in listed},
+                        ended={k: e for k, e in self.ended.items() if k not in listed and now - e[1] < ENDED_KEPT_S})
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, now: float) -> None:
         if request_id in self.reserved:
-            self.ended[request_id] = self.reserved.pop(request_id)
+            self.ended[request_id] = (self.reserved.pop(request_id), now)
         if request_id in self.counted:
             self.credited[request_id] = self.counted.pop(request_id)
 
@@ -95,7 +99,8 @@ class CapacityBoard:
     """Replicas' last reported capacity plus this process's reservations. Thread-safe: the router updates it from
     Serve's router loop, the ingress reads and reserves from its own event loop."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # times how long an ended request waits for a report to list it
         self._lock = threading.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._holder: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # affinity key -> replica
@@ -104,7 +109,8 @@ class CapacityBoard:
         """Replace the view with fresh `record_routing_stats` reports, keyed by replica id; replicas not reported
         yet (no capacity in their stats) are left out."""
         with self._lock:
-            self._replicas = {rid: self._replicas.get(rid, _Replica(0, 0, 0, {})).reported(stats)
+            now = self.clock()
+            self._replicas = {rid: self._replicas.get(rid, _Replica(0, 0, 0, {})).reported(stats, now)
                               for rid, stats in reports.items() if "free_gpu_bytes" in stats}
             for key in [k for k, rid in self._holder.items() if rid not in self._replicas]:
                 del self._holder[key]  # a replica gone took its cache with it
@@ -143,8 +149,9 @@ class CapacityBoard:
 
     def release(self, request_id: str) -> None:
         with self._lock:
+            now = self.clock()
             for rep in self._replicas.values():
-                rep.release(request_id)
+                rep.release(request_id, now)
 
     def fits_when_idle(self, gpu: int, host: int) -> bool:
         """Whether some replica could hold the request once everything on it has finished."""

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from serve_app.admission import AdmissionGate, CapacityBoard, affinity_keys
+from serve_app.admission import ENDED_KEPT_S, AdmissionGate, CapacityBoard, affinity_keys
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
@@ -447,6 +447,22 @@ def test_board_forgets_the_least_recently_placed_prefixes_beyond_its_bound(monke
     board.release("r2")
     board.release("r3")
     assert board.place("r4", GIB, 0, keys=affinity_keys(first, 16)) != placed  # most room again, not its holder
+
+
+def test_board_credits_an_early_ended_request_that_a_late_report_lists_after_one_that_did_not():
+    now = [0.0]
+    board = CapacityBoard(clock=lambda: now[0])
+    board.update({"a": _report(GIB, slots=1)})
+    assert board.place("r1", GIB, 0) == "a"
+    board.release("r1")  # ended before any report listed it
+    board.update({"a": _report(GIB, slots=1)})  # taken before r1 reached the replica
+    board.update({"a": _report(0, slots=0, ids=["r1"])})  # taken while the replica still held it
+    assert board.place("r2", GIB, 0) == "a"  # its slot and bytes are free all the same
+    board.release("r2")
+    now[0] = ENDED_KEPT_S
+    board.update({"a": _report(GIB, slots=1)})  # past ENDED_KEPT_S unlisted, r2 is forgotten: a later listing counts
+    board.update({"a": _report(0, slots=0, ids=["r2"])})
+    assert board.place("r3", GIB, 0) is None
 
 
 def test_board_respects_slots_and_ignores_unreported_replicas():
