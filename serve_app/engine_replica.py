@@ -112,7 +112,8 @@ class EngineReplica:
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream one request's events; `request` holds request_id, prompt_token_ids, params, gpu_bytes,
-        host_bytes (the ingress's prediction, which this replica's reported free bytes account for)."""
+        host_bytes (the ingress's prediction, which this replica's reported free bytes account for) and affinity
+        (its prefix's keys, which only the router reads)."""
         self._ensure_step_loop()
         request_id = request["request_id"]
         refusal = self._refusal(request_id)

@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.admission import AdmissionGate, Footprint, board_for
+from serve_app.admission import AdmissionGate, Footprint, affinity_keys, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
@@ -143,8 +143,9 @@ class Ingress:
             for i, prepared in enumerate(choices):
                 engine_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
                 gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
-                await self._admit(engine_id, gpu, host)
-                events = self._events(engine_id, prepared, gpu, host, arrived)
+                keys = await asyncio.to_thread(affinity_keys, prepared.prompt_token_ids, self.footprint.block_size)
+                await self._admit(engine_id, gpu, host, keys)
+                events = self._events(engine_id, prepared, gpu, host, keys, arrived)
                 first = await self._first_event(events)  # on failure it closes `events` itself
                 firsts.append(prepared.echoed(first))
                 streams.append(events)
@@ -161,19 +162,20 @@ class Ingress:
             self.metrics.rejected.labels(reason=exc.code).inc()
             raise
 
-    async def _admit(self, request_id: str, gpu: int, host: int) -> None:
+    async def _admit(self, request_id: str, gpu: int, host: int, keys: tuple[bytes, ...]) -> None:
         try:
-            await self.gate.admit(request_id, gpu, host)
+            await self.gate.admit(request_id, gpu, host, keys)
         except OpenAIError as exc:
             self.metrics.rejected.labels(reason=exc.code or str(exc.status)).inc()
             raise
         self.metrics.admitted.inc()
 
-    async def _events(self, request_id: str, prepared, gpu: int, host: int, arrived: float) -> AsyncIterator[dict]:
+    async def _events(self, request_id: str, prepared, gpu: int, host: int, keys: tuple[bytes, ...],
+                      arrived: float) -> AsyncIterator[dict]:
         """The replica's events for one request; records TTFT and inter-token latency, and on any exit (done,
         error, client gone, deadline) cancels the replica-side generator and drops the reservation."""
         payload = {"request_id": request_id, "prompt_token_ids": prepared.prompt_token_ids,
-                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host}
+                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host, "affinity": keys}
         stream = self.stream_engine.generate.remote(payload)
         last, finished = None, False
         try:

@@ -335,15 +335,21 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the replica's prefix cache instead of prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # in a request's final usage
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "Usage":
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

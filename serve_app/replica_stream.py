@@ -45,7 +45,8 @@ class RequestStream:
             text = output.text[len(sent_text):] if output.text.startswith(sent_text) else ""
             event = {"text": text, "num_new_tokens": len(output.token_ids) - sent_tokens,
                      "finished": output.finished, "finish_reason": output.finish_reason,
-                     "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+                     "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids),
+                     "cached_tokens": output.num_cached_tokens}
             if output.logprobs is not None:
                 event.update(token_ids=output.token_ids[sent_tokens:], logprobs=output.logprobs[sent_tokens:],
                              cumulative_logprob=output.cumulative_logprob)

@@ -27,8 +27,8 @@ def request_id_of(pending_request: Optional[PendingRequest]) -> str | None:
 
 
 class MemoryAwareRouter(RequestRouter):
-    """Sends each placed request to the replica the admission gate reserved it on (best fit by predicted bytes);
-    if that replica is gone, re-places it on the best fit among the live ones."""
+    """Sends each placed request to the replica the admission gate reserved it on (by prefix affinity, else by
+    load; see serve_app.admission); if that replica is gone, re-places it the same way among the live ones."""
 
     def initialize_state(self, **kwargs):
         self._board = board_for(self._deployment_id.app_name, self._deployment_id.name)
@@ -52,6 +52,7 @@ class MemoryAwareRouter(RequestRouter):
                  by_id: dict[str, RunningReplica]) -> List[List[RunningReplica]]:
         args = pending_request.args[0]
         self._board.release(request_id)
-        placed = self._board.place(request_id, args["gpu_bytes"], args["host_bytes"], among=set(by_id))
+        placed = self._board.place(request_id, args["gpu_bytes"], args["host_bytes"], among=set(by_id),
+                                   keys=args["affinity"])
         # Nothing fits any more (a replica died under us): let the replica refuse it rather than hang here.
         return [[by_id[placed]]] if placed in by_id else [list(by_id.values())]

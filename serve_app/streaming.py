@@ -1,9 +1,9 @@
 """Server-sent events and OpenAI response bodies built from the engine replica's events.
 
 An engine event is a dict: {"text": new text, "num_new_tokens", "finished", "finish_reason", "prompt_tokens",
-"completion_tokens"}, with, when the request asks for logprobs, the new "token_ids", their "logprobs" and the
-"cumulative_logprob" so far, and in the first event "prompt_logprobs" when asked for; or {"error": OpenAI error body
-fields, "status": HTTP status} when the replica refused it.
+"completion_tokens", "cached_tokens"}, with, when the request asks for logprobs, the new "token_ids", their
+"logprobs" and the "cumulative_logprob" so far, and in the first event "prompt_logprobs" when asked for; or
+{"error": OpenAI error body fields, "status": HTTP status} when the replica refused it.
 A request of several choices (a batch of prompts, n > 1) merges its choices' events, each tagged with its "index".
 """
 from __future__ import annotations
@@ -67,15 +67,16 @@ async def merge(firsts: list[dict], streams: list[AsyncIterator[dict]]) -> Async
 
 
 class ChoiceTotals:
-    """A request's usage over its choices: each prompt counted once (its n choices share it), completion tokens
-    summed."""
+    """A request's usage over its choices: each prompt counted once (its n choices share it), and its cached tokens
+    as a mean over those n; completion tokens summed."""
 
     def __init__(self, n: int):
-        self.n, self.prompt, self.completion, self.finished = n, {}, {}, set()
+        self.n, self.prompt, self.completion, self.cached, self.finished = n, {}, {}, {}, set()
 
     def add(self, event: dict) -> None:
         index = event.get("index", 0)
         self.prompt[index], self.completion[index] = event["prompt_tokens"], event["completion_tokens"]
+        self.cached[index] = event["cached_tokens"]
         if event["finished"]:
             self.finished.add(index)
 
@@ -84,7 +85,8 @@ class ChoiceTotals:
         return sum(self.completion.values())
 
     def usage(self) -> Usage:
-        return Usage.of(sum(self.prompt.values()) // self.n, self.completion_tokens)
+        return Usage.of(sum(self.prompt.values()) // self.n, self.completion_tokens,
+                        sum(self.cached.values()) // self.n)
 
 
 class ChunkFormatter:
@@ -218,7 +220,8 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
     for start in range(0, num_choices, candidates):
         ids = range(start, start + candidates)
         kept += sorted(ids, key=lambda i: -choices[i].cumulative_logprob)[:n] if candidates > n else ids
-    usage = Usage.of(sum(totals.prompt[i] for i in kept) // n, sum(totals.completion[i] for i in kept))
+    usage = Usage.of(sum(totals.prompt[i] for i in kept) // n, sum(totals.completion[i] for i in kept),
+                     sum(totals.cached[i] for i in kept) // n)
     fmt = logprobs if logprobs is not None and logprobs.top is not None else None
     out = [choices[i] for i in kept]
     if kind == "chat":

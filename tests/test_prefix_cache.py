@@ -197,13 +197,13 @@ def test_prompts_over_a_cached_prefix_prefill_only_their_suffix_and_give_the_col
     llm = engine_llm(tiny_path)
     seen = record_prefills(llm.engine, monkeypatch)
     doc = tokens(70, 10)  # four full blocks and six tokens
-    prompts = [doc + tokens(5, 11), doc + tokens(9, 12), doc]
+    prompts = [doc + tokens(5, 11), doc + tokens(1, 12), doc]  # the last two prefill 7 and 6 tokens: one bucket
     want = [o.token_ids for o in cold.generate(prompts, GREEDY)]
     assert llm.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
     assert [o.token_ids for o in llm.generate(prompts[1:], GREEDY)] == want[1:]
-    assert seen == [([0], [75]), ([64, 64], [15, 6])]
+    assert seen == [([0], [75]), ([64, 64], [7, 6])]
     stats = llm.engine.stats()
-    assert stats["prefix_hit_tokens"] == 128 and stats["prefix_query_tokens"] == 75 + 79 + 70
+    assert stats["prefix_hit_tokens"] == 128 and stats["prefix_query_tokens"] == 75 + 71 + 70
     assert settled(llm.engine)
 
 
@@ -212,7 +212,7 @@ def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold, monkeypat
     engine = llm.engine
     seen = record_prefills(engine, monkeypatch)
     doc = tokens(48, 13)
-    prompts = {"a": doc + tokens(3, 14), "b": doc + tokens(12, 15), "c": doc + tokens(1, 16)}  # one length bucket
+    prompts = {"a": doc + tokens(3, 14), "b": doc + tokens(12, 15), "c": doc + tokens(9, 16)}  # b, c: one bucket
     want = dict(zip(prompts, (o.token_ids for o in cold.generate(list(prompts.values()), GREEDY))))
     engine.add_request("a", prompts["a"], GREEDY)
     engine.step()  # a's prefill runs and indexes its full blocks; it now decodes
@@ -228,8 +228,31 @@ def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold, monkeypat
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert {k: o.token_ids for k, o in outs.items()} == want
-    assert seen == [([0], [51]), ([48, 48], [12, 1])]
+    assert seen == [([0], [51]), ([48, 48], [12, 9])]
     assert settled(engine)
+
+
+def test_readers_of_a_cached_document_are_admitted_together_by_the_tokens_they_prefill(tiny_path, cold, monkeypatch):
+    """The prefill budget and the length buckets count prefilled tokens, not whole prompts: three prompts over a
+    cached 64-token document and a short cold one, 18 tokens to prefill in all, share one prefill under a budget
+    smaller than the two document prompts whole."""
+    llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=100)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    doc = tokens(64, 20)
+    prompts = [doc + tokens(5, 21), tokens(6, 22), doc + tokens(7, 23)]
+    want = [o.token_ids for o in cold.generate(prompts, GREEDY)]
+    llm.generate([doc + tokens(3, 24)], GREEDY)  # the document is cached from here on
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert seen[1:] == [([64, 0, 64], [5, 6, 7])]
+    assert settled(engine)
+
+
+def test_the_prefill_budget_still_counts_whole_prompts_without_a_cached_prefix(tiny_path, monkeypatch):
+    llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=100)
+    seen = record_prefills(llm.engine, monkeypatch)
+    llm.generate([tokens(69, 25), tokens(70, 26), tokens(71, 27)], GREEDY)
+    assert seen == [([0], [69]), ([0], [70]), ([0], [71])]
 
 
 def test_a_later_turn_reuses_the_earlier_turns_generated_tokens(tiny_path, cold):

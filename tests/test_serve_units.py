@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from serve_app.admission import AdmissionGate, CapacityBoard
+from serve_app.admission import ENDED_KEPT_S, AdmissionGate, CapacityBoard, affinity_keys
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
@@ -49,12 +49,12 @@ def _count_sleeps(monkeypatch) -> list[float]:
     return sleeps
 
 
-def _events(texts, prompt_tokens=3):
+def _events(texts, prompt_tokens=3, cached_tokens=0):
     async def gen():
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
             yield {"text": text, "num_new_tokens": 1, "finished": last, "finish_reason": "length" if last else None,
-                   "prompt_tokens": prompt_tokens, "completion_tokens": i + 1}
+                   "prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "cached_tokens": cached_tokens}
     return gen()
 
 
@@ -170,7 +170,7 @@ def test_sse_stream_continuous_usage_counts_every_event(kind):
     """With continuous usage every chunk carries the usage so far, and an event of tokens without text (part of a
     UTF-8 character) gets its chunk; without it, only the usage chunk has usage, and that event sends nothing."""
     def chunks(fmt):
-        lines = asyncio.run(_drain(sse_stream(_events(["a", "", "b"]), fmt, include_usage=True)))
+        lines = asyncio.run(_drain(sse_stream(_events(["a", "", "b"], cached_tokens=2), fmt, include_usage=True)))
         return [json.loads(line[6:]) for line in lines[:-1]]
     continuous = chunks(ChunkFormatter(kind, "x", "m", usage_prompt_tokens=3))
     opening = [0] if kind == "chat" else []
@@ -178,7 +178,8 @@ def test_sse_stream_continuous_usage_counts_every_event(kind):
     assert {c["usage"]["prompt_tokens"] for c in continuous} == {3}
     plain = chunks(ChunkFormatter(kind, "x", "m"))
     assert [c["usage"] for c in plain[:-1]] == [None] * (len(opening) + 2)
-    assert plain[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert plain[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                  "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_sse_data_lines_survive_line_splitting_on_unicode_breaks():
@@ -268,7 +269,8 @@ def _scored(tokens_per_event, cumulative, prompt=(3, 4)):
             total += len(tokens)
             event = {"text": LETTERS.decode(tokens), "num_new_tokens": len(tokens), "finished": last,
                      "finish_reason": "length" if last else None, "prompt_tokens": len(prompt),
-                     "completion_tokens": total, "token_ids": tokens, "logprobs": [_lp(t, -1.0) for t in tokens],
+                     "completion_tokens": total, "cached_tokens": 0, "token_ids": tokens,
+                     "logprobs": [_lp(t, -1.0) for t in tokens],
                      "cumulative_logprob": cumulative}
             if i == 0:
                 event.update(prompt_token_ids=list(prompt), prompt_logprobs=[None, _lp(4, -3.0)])
@@ -406,6 +408,61 @@ def test_board_credits_a_request_that_ended_before_any_report_listed_it():
     assert board.place("r2", GIB, 0) == "a"  # its slot and bytes are free all the same
     board.update({"a": _report(0, slots=0, ids=["r2"])})
     assert board.place("r3", 1, 0) is None
+
+
+def test_affinity_keys_are_the_chained_hashes_of_the_first_power_of_two_blocks_deepest_first():
+    conversation = list(range(100))  # six full blocks of 16
+    keys = affinity_keys(conversation, 16)
+    assert len(keys) == 3  # 4, 2 and 1 blocks
+    assert affinity_keys(conversation[:64], 16) == keys  # its first four blocks: the same prefix
+    assert affinity_keys(conversation[:15], 16) == ()  # no full block: no affinity
+    other = affinity_keys(list(range(40)) + [7] * 60, 16)  # shares two blocks, differs in the third
+    assert other[1:] == keys[1:] and other[0] != keys[0]
+
+
+def test_board_places_a_prefix_on_its_holder_and_the_least_loaded_replica_otherwise():
+    board = CapacityBoard()
+    board.update({"a": _report(4 * GIB, slots=2), "b": _report(3 * GIB, slots=3)})
+    chat1, chat2 = list(range(200)), list(range(1000, 1200))
+    assert board.place("c1-t1", GIB, 0, keys=affinity_keys(chat1, 16)) == "a"  # new prefix: most room
+    assert board.place("c2-t1", GIB, 0, keys=affinity_keys(chat2, 16)) == "b"  # as many bytes left, more slots
+    turn2 = affinity_keys(chat1 + list(range(300, 340)), 16)
+    assert board.place("c1-t2", GIB, 0, keys=turn2) == "a"  # its holder, although b has more slots left
+    # a has no slot left: the next turn goes to the least-loaded replica with room, which then holds the prefix
+    assert board.place("c1-t3", GIB, 0, keys=turn2) == "b"
+    board.release("c1-t1")
+    assert board.place("c1-t4", GIB, 0, keys=turn2) == "b"  # its holder now, although a has more room
+    board.update({"a": _report(3 * GIB, slots=2)})  # b is gone, and with it what it held
+    assert board.place("c2-t2", GIB, 0, keys=affinity_keys(chat2, 16)) == "a"
+
+
+def test_board_forgets_the_least_recently_placed_prefixes_beyond_its_bound(monkeypatch):
+    monkeypatch.setattr("serve_app.admission.AFFINITY_KEYS_KEPT", 2)
+    board = CapacityBoard()
+    board.update({"a": _report(4 * GIB, slots=8), "b": _report(4 * GIB, slots=8)})
+    first, second, third = ([k] * 16 for k in range(3))
+    placed = board.place("r1", GIB, 0, keys=affinity_keys(first, 16))
+    board.place("r2", GIB, 0, keys=affinity_keys(second, 16))
+    board.place("r3", GIB, 0, keys=affinity_keys(third, 16))  # the first prefix is forgotten now
+    board.release("r2")
+    board.release("r3")
+    assert board.place("r4", GIB, 0, keys=affinity_keys(first, 16)) != placed  # most room again, not its holder
+
+
+def test_board_credits_an_early_ended_request_that_a_late_report_lists_after_one_that_did_not():
+    now = [0.0]
+    board = CapacityBoard(clock=lambda: now[0])
+    board.update({"a": _report(GIB, slots=1)})
+    assert board.place("r1", GIB, 0) == "a"
+    board.release("r1")  # ended before any report listed it
+    board.update({"a": _report(GIB, slots=1)})  # taken before r1 reached the replica
+    board.update({"a": _report(0, slots=0, ids=["r1"])})  # taken while the replica still held it
+    assert board.place("r2", GIB, 0) == "a"  # its slot and bytes are free all the same
+    board.release("r2")
+    now[0] = ENDED_KEPT_S
+    board.update({"a": _report(GIB, slots=1)})  # past ENDED_KEPT_S unlisted, r2 is forgotten: a later listing counts
+    board.update({"a": _report(0, slots=0, ids=["r2"])})
+    assert board.place("r3", GIB, 0) is None
 
 
 def test_board_respects_slots_and_ignores_unreported_replicas():
@@ -587,7 +644,7 @@ def test_router_sends_a_request_where_admission_placed_it_and_replaces_it_if_tha
     router = _router_with(board)
     a, b = _FakeReplica("a"), _FakeReplica("b")
     placed = board.place("r1", GIB, 0)
-    request = SimpleNamespace(args=[{"request_id": "r1", "gpu_bytes": GIB, "host_bytes": 0}])
+    request = SimpleNamespace(args=[{"request_id": "r1", "gpu_bytes": GIB, "host_bytes": 0, "affinity": ()}])
     assert asyncio.run(router.choose_replicas([a, b], request)) == [[a if placed == "a" else b]]
     assert asyncio.run(router.choose_replicas([b], request)) == [[b]]  # "a" gone: best fit among the live ones
     assert board.placement("r1") == "b"

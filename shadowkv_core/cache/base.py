@@ -109,6 +109,11 @@ class CacheManager(abc.ABC):
         """Whether a sequence of this shape fits in what is free now (prompt_token_ids: its prompt, whose cached
         prefix it would hold rather than reserve anew)."""
 
+    def cached_prefix_len(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None) -> int:
+        """How many of the prompt's first tokens `allocate` would take from the prefix cache now (what its prefill
+        skips). A manager without a prefix cache holds none."""
+        return 0
+
     @abc.abstractmethod
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether a sequence of this shape could ever fit, with nothing else allocated."""

@@ -62,6 +62,9 @@ class DenseManager(CacheManager):
         hit = self._cached_prefix(prompt_len, self._hashes(prompt_len, prompt_token_ids))
         return self._fits(hit, prompt_len + max_new_tokens)
 
+    def cached_prefix_len(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None) -> int:
+        return len(self._cached_prefix(prompt_len, self._hashes(prompt_len, prompt_token_ids))) * self.block_size
+
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         return self.blocks_needed(prompt_len + max_new_tokens) <= self.blocks.num_blocks
 

@@ -2,9 +2,10 @@
 
 Every step, every running sequence decodes one token, and, when no prefill is under way, waiting sequences are
 admitted for the next one while the cache can hold them (everything they will ever need is reserved up front, so
-admitted work never runs out of memory mid-decode). Prefills are grouped by context length: the oldest waiting
-sequence picks the length bucket and only prompts of that bucket join its prefill batch, up to a token budget, so
-long prefills do not ride with short ones.
+admitted work never runs out of memory mid-decode). Prefills are grouped by the tokens they prefill (a prompt less
+its cached prefix): the oldest waiting sequence picks the length bucket and only prompts of that bucket join its
+prefill batch, up to a budget of prefilled tokens, so long prefills do not ride with short ones and the readers of
+one cached document are admitted together.
 """
 from __future__ import annotations
 
@@ -58,25 +59,35 @@ class Scheduler:
         admitted: list[Sequence] = []
         if not self.waiting:
             return admitted
-        bucket = length_bucket(self.waiting[0].prompt_len)
+        bucket = length_bucket(self._to_prefill(self.waiting[0]))
         tokens = 0
         for seq in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
-            if length_bucket(seq.prompt_len) != bucket:
+            prefill = self._to_prefill(seq)
+            if length_bucket(prefill) != bucket:
                 continue
-            if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
+            if admitted and tokens + prefill > self.max_prefill_tokens:
                 break
-            # prompt logprobs need every prompt position's hidden state: such a prompt is prefilled whole
-            lookup = seq.prompt_token_ids if seq.params.prompt_logprobs is None else None
+            lookup = self._lookup(seq)
             if not self.manager.can_allocate(seq.prompt_len, seq.params.max_tokens, lookup):
                 break  # the oldest that does not fit waits; nothing younger overtakes it in this bucket
             seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.prompt_len, seq.params.max_tokens, lookup)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.PREFILLING
             admitted.append(seq)
-            tokens += seq.prompt_len
+            tokens += seq.prompt_len - seq.num_cached_tokens
         return admitted
+
+    @staticmethod
+    def _lookup(seq: Sequence) -> list[int] | None:
+        """The prompt to look up in the prefix cache: none when it asks prompt logprobs, which need every prompt
+        position's hidden state, so that it is prefilled whole."""
+        return seq.prompt_token_ids if seq.params.prompt_logprobs is None else None
+
+    def _to_prefill(self, seq: Sequence) -> int:
+        """The prompt tokens the sequence would prefill if admitted now."""
+        return seq.prompt_len - self.manager.cached_prefix_len(seq.prompt_len, seq.params.max_tokens, self._lookup(seq))
 
     def start_running(self, seq: Sequence) -> None:
         """A sequence that needs no prefill (a fork: its cache is copied in) joins the running batch at once; a

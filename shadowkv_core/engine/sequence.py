@@ -38,6 +38,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asks for logprobs
     cumulative_logprob: float | None = None  # the sum of those logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), when asked
+    num_cached_tokens: int = 0  # prompt tokens read from a cached prefix, not prefilled
 
 
 class Sequence:
@@ -89,4 +90,5 @@ class Sequence:
         logprobs = None if self.output_logprobs is None else list(self.output_logprobs)
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), new, self.text,
                              self.is_finished, self.finish_reason, self.error, logprobs,
-                             None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs)
+                             None if logprobs is None else self.cumulative_logprob, self.prompt_logprobs,
+                             self.num_cached_tokens)

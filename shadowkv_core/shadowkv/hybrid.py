@@ -26,6 +26,9 @@ class HybridManager(CacheManager):
     def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
         return self._side(prompt_len, max_new_tokens).can_allocate(prompt_len, max_new_tokens, prompt_token_ids)
 
+    def cached_prefix_len(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None) -> int:
+        return self._side(prompt_len, max_new_tokens).cached_prefix_len(prompt_len, max_new_tokens, prompt_token_ids)
+
     def fits_when_empty(self, prompt_len: int, max_new_tokens: int) -> bool:
         return self._side(prompt_len, max_new_tokens).fits_when_empty(prompt_len, max_new_tokens)
 
