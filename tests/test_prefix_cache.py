@@ -395,3 +395,28 @@ def test_a_request_asking_prompt_logprobs_prefills_whole_over_a_cached_prefix(ti
     assert [p.rank for p in got.prompt_logprobs[1:]] == [p.rank for p in want.prompt_logprobs[1:]]
     assert got.token_ids == want.token_ids
     assert settled(llm.engine)
+
+
+def test_a_waiting_prompt_is_hashed_once_however_often_it_is_looked_up(tiny_path, monkeypatch):
+    """Admission looks a waiting prompt up at every pass and again to allocate it: its block hashes are computed once."""
+    import shadowkv_core.cache.dense as dense
+
+    hashed = []
+
+    def counting(token_ids, block_size, parent=b""):
+        hashed.append(len(token_ids))
+        return block_hashes(token_ids, block_size, parent)
+
+    monkeypatch.setattr(dense, "block_hashes", counting)
+    llm = engine_llm(tiny_path)
+    doc = tokens(70, 16)
+    llm.generate([doc + tokens(4, 17)], GREEDY)
+    prompts = [doc + tokens(6, 18), doc + tokens(8, 19)]
+    before = len(hashed)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", prompt, GREEDY)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert hashed[before:].count(76) == 1 and hashed[before:].count(78) == 1  # each prompt's whole list, once
+    assert llm.engine.stats()["prefix_hit_tokens"] == 2 * 64
+    assert settled(llm.engine)
