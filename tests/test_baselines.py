@@ -62,6 +62,18 @@ def test_every_policy_at_full_budget_equals_dense_through_folds(tmp_path, scorer
     assert state.counts.stats()["hit_rate"] > 0  # the sparse path ran
 
 
+@pytest.mark.parametrize("scorer", [QuestScorer, SnapKVScorer])
+def test_a_prompt_with_no_shadow_chunks_folds_into_a_policy_that_kept_nothing(tmp_path, scorer):
+    """A prompt that fits its window leaves the shadow empty at prefill; the policy still starts the sequence (an
+    empty record), so the first fold extends that and not another sequence's, and nothing is missing."""
+    model = str(build_tiny_model(tmp_path / "tiny"))
+    prompt, params = list(range(40, 52)), SamplingParams(max_tokens=40, temperature=0)
+    dense = LLM(model=model).generate([prompt], params)[0].token_ids
+    llm = LLM(model=model, shadowkv=_config(budget=512))
+    llm.engine.cache.shadow.chunk_scorer = scorer()
+    assert llm.generate([prompt], params)[0].token_ids == dense
+
+
 @pytest.mark.parametrize("scorer, expected", [
     (StreamingScorer(sink_chunks=1), lambda n, votes: {0, n - 1, n - 2}),
     (SnapKVScorer(window=16), lambda n, votes: set(votes.topk(3).indices.tolist())),

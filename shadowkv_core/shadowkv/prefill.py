@@ -23,11 +23,11 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     slots.sv[st.slot, layer] = sv.to(slots.sv.dtype)
     slots.resident[st.slot, layer] = -1  # the slot's sparse buffer holds nothing of this sequence yet
     middle = st.num_shadow * C
+    if cache.chunk_scorer is not None:  # even with no shadow chunks yet: the window's folds extend what it keeps
+        cache.chunk_scorer.prefill(layer, st, q, k_rot, C, cache.spec.scale)
     if st.num_shadow:
         landmarks = chunk_landmarks(k_rot[:middle], C)  # (n, Hkv, d)
         cache.gpu.write_landmarks(layer, st.gpu_table, 0, landmarks)
-        if cache.chunk_scorer is not None:
-            cache.chunk_scorer.prefill(layer, st, q, k_rot, C, cache.spec.scale)
         cache.host.write(layer, st.value_table, 0, v[:middle])
         if st.num_outliers:
             store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)
