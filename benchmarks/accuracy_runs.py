@@ -19,7 +19,7 @@ from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.models.loader import read_config
 from shadowkv_core.shadowkv.baselines import SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.quest import QuestScorer
-from training.data import EOS, Sample
+from training.data import EOS, Sample, score
 from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 
 # The paper keeps 48 outlier chunks at 128K (0.3 %); scaled down to 2K-16K that is 1-6 chunks, too few for the
@@ -127,7 +127,6 @@ def longgen_parts(sample: Sample, text: str, tokens: int = LONGGEN_TOKENS) -> tu
 def conversation(llm_for_turn, samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
     """Each sample's score per turn (0 or 100 per item share) and the hit rates: turn t's prompts are the samples'
     conversations so far, each earlier answer the method's own. llm_for_turn(max_prompt_len) builds an engine."""
-    from training.data import score
     prompts = [list(s.prompt_ids) for s in samples]
     asked = [[(s.items, s.question)] + [(t.items, t.question) for t in s.turns] for s in samples]
     scores, hit_rates = [[] for _ in samples], []

@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     row, served, model = run(args.config, args.guidellm, args.streams, args.requests, args.prompt_tokens,
                              args.output_tokens)
-    shown = guidellm_command("guidellm", "http://127.0.0.1:PORT", served, str(Path(model).relative_to(ROOT)),
+    shown = guidellm_command("guidellm", "http://127.0.0.1:PORT", served, os.path.relpath(model, ROOT),
                              Path("OUT.json"), args.streams, args.requests, args.prompt_tokens, args.output_tokens)
     version = subprocess.run([args.guidellm, "--version"], capture_output=True, text=True, check=True).stdout
     path = write_json(args.out, [row], config=str(args.config.resolve().relative_to(ROOT)),

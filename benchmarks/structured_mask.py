@@ -10,9 +10,7 @@ each library runs in a scratch environment of its own with nothing of this proje
 
 --llama3 is Meta's tiktoken-format tokenizer.model (128,000 byte-pair ranks; the 256 special tokens follow them),
 as `pip download --no-deps llama-models` ships it in llama_models/llama3/. The result is one JSON line per
-vocabulary (the library's version, the machine and the figures); --out appends them to a file. The kept file,
-benchmarks/results/structured_mask.jsonl, holds the three libraries' runs (--repeats 3 for outlines-core, whose
-128K-vocabulary compile takes seconds), on one core of a 2-core CPU box.
+vocabulary (the command, the library's version, the machine and the figures); --out appends them to a file.
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ import importlib.metadata
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -211,7 +210,7 @@ def main() -> None:
     for name, (tokens, eos) in vocabularies.items():
         start = time.perf_counter()
         lib = LIBRARIES[args.lib](tokens, eos)
-        row = {"lib": args.lib, "version": importlib.metadata.version(args.lib), "cpu": platform.processor() or
+        row = {"command": "python " + " ".join(sys.argv), "lib": args.lib, "version": importlib.metadata.version(args.lib), "cpu": platform.processor() or
                platform.machine(), "python": platform.python_version(), "vocab": name, "vocab_size": len(tokens),
                "tokenizer_setup_ms": round((time.perf_counter() - start) * 1e3, 1), **walk(lib, tokens, eos,
                                                                                                args.repeats)}

@@ -186,7 +186,7 @@ def _variable_chain(rng: random.Random, words: _Words, hops: int = 4):
 def _conversation(rng: random.Random, words: _Words, turn: int | None, turns: int = MULTITURN_TURNS):
     """MULTITURN_TURNS needles of distinct keys, one asked per turn in a drawn order. The prompt asks turn `turn`
     (None: a drawn one) after the earlier turns' questions, each followed by its right answer; the turns after it
-    are returned for a caller that goes on with its own answers (benchmarks/accuracy_tasks.py)."""
+    are returned for a caller that goes on with its own answers (benchmarks/accuracy_runs.py)."""
     keys, values = _distinct(rng, words.make_key, turns), _distinct(rng, number, turns)
     order = rng.sample(range(turns), turns)
     drawn = rng.randrange(turns)
