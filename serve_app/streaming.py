@@ -9,6 +9,7 @@ A request of several choices (a batch of prompts, n > 1) merges its choices' eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import AsyncIterator, Literal
 
@@ -132,13 +133,13 @@ class ChunkFormatter:
     def _tool_deltas(self, text: str, finish_reason: str | None, usage: Usage | None, index: int,
                      logprobs=None) -> str:
         """The chunks of one event of a chat with tools: its content and whole tool calls so far, the first chunk
-        carrying the event's tokens' logprobs (an empty delta if the text is held back), the last the finish reason
-        (and the usage so far)."""
+        carrying the event's tokens' logprobs (an empty delta if the text is held back, and for the usage so far when
+        every chunk carries it), the last the finish reason (and the usage so far)."""
         stream = self.tool_streams.setdefault(index, ToolStream(self.tool_family))
         fields = stream.feed(text) + (stream.finish() if finish_reason else [])
         if finish_reason and stream.num_calls:
             finish_reason = "tool_calls"
-        if not fields and (finish_reason or logprobs):
+        if not fields and (finish_reason or logprobs or self.continuous_usage):
             fields = [{}]
         chunks = [ChatChunkChoice(index=index, delta=DeltaMessage(**f)) for f in fields]
         if chunks:
@@ -169,15 +170,16 @@ async def sse_stream(events: AsyncIterator[dict], fmt: ChunkFormatter, include_u
     for line in fmt.opening(num_choices):
         yield line
     try:
-        async for event in events:
-            raise_if_error(event)
-            totals.add(event)
-            if event["text"] or event["finished"] or (fmt.continuous_usage and event["num_new_tokens"]) or \
-                    fmt.wants_logprobs(event):
-                yield fmt.delta(event["text"], event["finish_reason"], totals.completion_tokens,
-                                event.get("index", 0), event)
-            if event["finished"] and include_usage and len(totals.finished) == num_choices:
-                yield fmt.usage(totals.usage())
+        async with contextlib.aclosing(events):  # an error ends every choice's engine request at once
+            async for event in events:
+                raise_if_error(event)
+                totals.add(event)
+                if event["text"] or event["finished"] or (fmt.continuous_usage and event["num_new_tokens"]) or \
+                        fmt.wants_logprobs(event):
+                    yield fmt.delta(event["text"], event["finish_reason"], totals.completion_tokens,
+                                    event.get("index", 0), event)
+                if event["finished"] and include_usage and len(totals.finished) == num_choices:
+                    yield fmt.usage(totals.usage())
     except OpenAIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
@@ -210,10 +212,11 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
     content and tool calls."""
     candidates = candidates or n
     choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(candidates)
-    async for event in events:
-        raise_if_error(event)
-        choices[event.get("index", 0)].add(event)
-        totals.add(event)
+    async with contextlib.aclosing(events):  # an error ends every choice's engine request at once
+        async for event in events:
+            raise_if_error(event)
+            choices[event.get("index", 0)].add(event)
+            totals.add(event)
     if len(totals.finished) < num_choices:
         raise OpenAIError(500, "the engine ended the request without a result", type="server_error")
     kept = []

@@ -7,6 +7,7 @@ optionally after `<|python_tag|>`). A template that does not use the `tools` var
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -24,8 +25,9 @@ _PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
+@functools.lru_cache(maxsize=16)
 def declares_tools(template: str | None) -> bool:
-    """Whether a chat template reads the `tools` variable."""
+    """Whether a chat template reads the `tools` variable (parsed once per template: a model serves one)."""
     if not template:
         return False
     env = jinja2.Environment()

@@ -21,6 +21,7 @@ from serve_app.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionReq
 from serve_app.router import MemoryAwareRouter
 from serve_app.security import OPEN_PATHS, GuardSettings, RequestGuard
 from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_stream
+from serve_app.tools import HERMES
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.engine.sequence import TokenLogprob
 from shadowkv_core.tiny_model import build_tiny_model
@@ -197,6 +198,48 @@ def test_sse_stream_sends_an_error_event_then_done():
         yield {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
     lines = asyncio.run(_drain(sse_stream(failing(), ChunkFormatter("completion", "c", "m"), False)))
     assert json.loads(lines[0][6:])["error"]["message"] == "boom" and lines[-1] == SSE_DONE
+
+
+def test_an_error_closes_every_merged_choice_at_once():
+    """A choice's error ends the response: the other choices' streams (their engine requests) close with it, streamed
+    or not, not when the garbage collector gets to them."""
+    closed = []
+
+    async def choice(events):
+        try:
+            for event in events:
+                yield event
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    async def merged():
+        error = {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}, "status": 500}
+        streams = [choice([error]), choice([{"text": "x"}] * 100)]
+        return merge([await anext(stream) for stream in streams], streams)
+
+    async def streamed():
+        lines = await _drain(sse_stream(await merged(), ChunkFormatter("completion", "c", "m"), False, 2))
+        return lines, len(closed)
+
+    lines, closed_then = asyncio.run(streamed())
+    assert json.loads(lines[0][6:])["error"]["message"] == "boom" and closed_then == 2
+
+    async def whole():
+        with pytest.raises(OpenAIError):
+            await collect(await merged(), "completion", "c", "m", 2)
+        return len(closed)
+
+    closed.clear()
+    assert asyncio.run(whole()) == 2
+
+
+def test_held_back_tool_text_still_carries_the_usage_so_far():
+    """With continuous usage, an event whose text a tool-call stream holds back (it may open a call) still sends a
+    chunk: the usage counts its tokens when they come."""
+    fmt = ChunkFormatter("chat", "x", "m", usage_prompt_tokens=3, tool_family=HERMES)
+    held = json.loads(fmt.delta("<tool", None, 2)[6:])
+    assert held["usage"]["completion_tokens"] == 2 and held["choices"][0]["delta"].get("content") is None
 
 
 def _two_choices(prompt_tokens=(3, 3)):
