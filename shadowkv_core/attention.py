@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.prefill_attention import prefill_attention
+from shadowkv_core.config import AUTO
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -29,9 +30,12 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                           chunk_tokens: int, implementation: str = "sdpa") -> torch.Tensor:
     """Causal attention of a prompt's queries, the last n_q of the keys (n_q == n_k for a whole prompt; fewer for
     a suffix after a cached prefix), taken `chunk_tokens` at a time so that the score matrix of a long prompt never
-    has to exist at once, each chunk by `chunk_attention`. Shapes as in `attention_ref`."""
+    has to exist at once, each chunk by `chunk_attention`; on CUDA in half precision every implementation is a
+    flash-style kernel that never holds the scores, so the prompt goes in one call (one launch, one wave schedule, and
+    a whole prompt is a square causal block, which SDPA's flash kernel takes without a mask). Shapes as in
+    `attention_ref`."""
     n = q.shape[0]
-    if n <= chunk_tokens:
+    if n <= chunk_tokens or _scores_never_exist(q):
         return chunk_attention(q, k, v, scale, implementation)
     out = torch.empty_like(q)
     before = k.shape[0] - n
@@ -41,14 +45,24 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return out
 
 
+def _scores_never_exist(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     implementation: str = "sdpa") -> torch.Tensor:
     """attention_ref(q, k, v, scale, causal=True), the queries being the last n_q of the keys, by one of
-    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention): "sdpa", attention_ref itself (SDPA with a
-    causal_lower_right bias); "sdpa_split", prefill_attention_split; "triton", kernels/prefill_attention.py
-    (CUDA, or Triton's interpreter; head dims 64 and 128)."""
+    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention), or "auto": "cudnn" for a chunk after earlier keys
+    on CUDA in half precision, else "sdpa". "sdpa", attention_ref itself (SDPA with a
+    causal_lower_right bias); "sdpa_split", prefill_attention_split by SDPA's flash kernel; "cudnn", the same split
+    by its cuDNN kernel (CUDA); "triton", kernels/prefill_attention.py (CUDA, or Triton's interpreter; head dims 64
+    and 128)."""
+    if implementation == AUTO:  # the fastest measured: flash on a square causal block, the cuDNN split after a prefix
+        implementation = "cudnn" if _scores_never_exist(q) and k.shape[0] > q.shape[0] else "sdpa"
     if implementation == "sdpa_split":
         return prefill_attention_split(q, k, v, scale)
+    if implementation == "cudnn":
+        return prefill_attention_split(q, k, v, scale, _cudnn_with_lse)
     if implementation == "triton":
         cu_q, cu_k = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device)
         return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale)
@@ -81,16 +95,21 @@ def _causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return scores.masked_fill(hidden, float("-inf")).logsumexp(-1).T
 
 
-def prefill_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            kernel=None) -> torch.Tensor:
     """attention_ref(q, k, v, scale, causal=True) without a mask: the keys before the queries' chunk (every query
-    sees them all) and the chunk's own keys (a square causal block) in two flash calls, merged by their log-sum-exps.
+    sees them all) and the chunk's own keys (a square causal block) in two calls of `kernel` (SDPA's flash kernel by
+    default; `_cudnn_with_lse`), merged by their log-sum-exps; a whole prompt is one causal call.
     q (n_q, Hq, d); k, v (n_k, Hkv, d) with n_k >= n_q -> (n_q, Hq, d)."""
+    kernel = kernel or _flash_with_lse
     start = k.shape[0] - q.shape[0]
-    if start == 0:
-        return attention_ref(q, k, v, scale, causal=True)
     q4 = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n_q, d)
-    out_before, lse_before = _flash_with_lse(q4, k[:start], v[:start], scale, causal=False)
-    out_diag, lse_diag = _flash_with_lse(q4, k[start:], v[start:], scale, causal=True)
+    if start == 0:
+        if kernel is _flash_with_lse:
+            return attention_ref(q, k, v, scale, causal=True)
+        return kernel(q4, k, v, scale, causal=True)[0].squeeze(0).transpose(0, 1)
+    out_before, lse_before = kernel(q4, k[:start], v[:start], scale, causal=False)
+    out_diag, lse_diag = kernel(q4, k[start:], v[start:], scale, causal=True)
     lse = torch.logaddexp(lse_before, lse_diag)  # (1, Hq, n_q) fp32
     out = (out_before.float() * (lse_before - lse).exp()[..., None]
            + out_diag.float() * (lse_diag - lse).exp()[..., None])
@@ -100,9 +119,25 @@ def prefill_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The flash kernel SDPA dispatches to, called directly because the public function drops its log-sum-exp; it
-    takes GQA as is (keys and values not repeated). On CUDA it needs fp16 or bf16.
+    takes GQA as is (keys and values not repeated). On CUDA in fp32, the memory-efficient kernel instead.
     q (1, Hq, n_q, d); k, v (n_k, Hkv, d) -> out (1, Hq, n_q, d), lse (1, Hq, n_q) fp32."""
     k, v = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))  # (1, Hkv, n_k, d)
+    if q.is_cuda and q.dtype == torch.float32:  # flash takes half precision only: the memory-efficient kernel
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        return out, lse[..., :q.shape[2]]  # its log-sum-exps come padded to a multiple of its block
     if q.is_cuda:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """_flash_with_lse by SDPA's cuDNN kernel (CUDA only, fp16 or bf16), the keys and values repeated to the query
+    heads (its GQA needs them so). Same shapes and outputs."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0) for t in (k, v))  # (1, Hq, n_k, d)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                   scale=scale)[:2]
+    return out, lse.reshape(q.shape[:3])

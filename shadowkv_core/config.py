@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 VALUE_FORMATS = ("model", "fp8")
-PREFILL_ATTENTIONS = ("sdpa", "sdpa_split", "triton")  # attention.chunk_attention's implementations
+PREFILL_ATTENTIONS = ("sdpa", "sdpa_split", "cudnn", "triton")  # attention.chunk_attention's implementations
 KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # an option left to what the device and the memory model make best; a value overrides it
@@ -109,9 +109,11 @@ class EngineConfig:
         None derives them (device free memory x gpu_memory_utilization; 1 GiB each on CPU).
     prefill_chunk_tokens: tokens computed at once inside a layer during prefill (bounds activation memory).
     max_prefill_tokens: prompt tokens prefilled together in one step (one longer prompt still runs alone).
-    prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "sdpa"
-        (SDPA with a causal_lower_right bias), "sdpa_split" (the keys before the chunk and its causal diagonal,
-        merged by log-sum-exp) or "triton" (kernels/prefill_attention.py, head dims 64 and 128). Equal up to rounding.
+    prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "auto"
+        (the default: "cudnn" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
+        whole prompt by its flash kernel, a chunk after a prefix with a causal_lower_right bias), "sdpa_split" (the
+        keys before the chunk and its causal diagonal, merged by log-sum-exp, by SDPA's flash kernel), "cudnn" (the
+        same split by its cuDNN kernel; CUDA only) or "triton" (kernels/prefill_attention.py, head dims 64 and 128). Equal up to rounding.
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
@@ -150,7 +152,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     prefill_chunk_tokens: int = 8192
     max_prefill_tokens: int = 16384
-    prefill_attention: str = "sdpa"
+    prefill_attention: str = AUTO
     max_waiting: int = 256
     block_size: int = 16
     seed: int = 0
@@ -175,8 +177,8 @@ class EngineConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.prefill_chunk_tokens >= 1, f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         _require(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        _require(self.prefill_attention in PREFILL_ATTENTIONS,
-                 f"prefill_attention must be one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
+        _require(self.prefill_attention in (AUTO, *PREFILL_ATTENTIONS),
+                 f"prefill_attention must be 'auto' or one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
         _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _require(self.load_format in ("auto", "dummy"),
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -194,7 +196,9 @@ class EngineConfig:
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be > 0, got {value}")
-        torch.device(self.device)  # raises a RuntimeError naming a malformed device string
+        device = torch.device(self.device)  # raises a RuntimeError naming a malformed device string
+        _require(self.prefill_attention != "cudnn" or device.type == "cuda",
+                 f"prefill_attention 'cudnn' needs a CUDA device, got {self.device!r}")
 
     def requested_dtype(self) -> torch.dtype | None:
         """The weights' dtype; None means the checkpoint's own (float32 on CPU, where half precision is slow)."""

@@ -136,6 +136,8 @@ def test_engine_config_errors_are_clear(tiny_path):
         LLMEngine(EngineConfig(model=tiny_path, max_num_seqs=0))
     with pytest.raises(ValueError, match="prefill_attention"):
         EngineConfig(model=tiny_path, prefill_attention="flash")
+    with pytest.raises(ValueError, match="'cudnn' needs a CUDA device"):
+        EngineConfig(model=tiny_path, prefill_attention="cudnn", device="cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=tiny_path, kv_cache_dtype="int8")
 

@@ -1,12 +1,15 @@
 """Prefill attention of chunks (queries [s, e) against keys [0, e), causal on the diagonal), held to
 shadowkv_core.attention.prefill_chunks_attention_ref: the Triton kernel on ragged batches, and the split SDPA
-candidate per sequence."""
+and cuDNN candidates per sequence."""
 import pytest
 import torch
 
 from test_kernels_utils import DEVICE, LLAMA, assert_close, ragged_lengths
 from kernels.prefill_attention import prefill_attention
-from shadowkv_core.attention import prefill_attention_split, prefill_chunks_attention_ref
+import shadowkv_core.attention as attention
+from shadowkv_core.attention import (chunk_attention, prefill_attention_ref, prefill_attention_split,
+                                     prefill_chunks_attention_ref)
+from shadowkv_core.config import AUTO, PREFILL_ATTENTIONS
 
 LSE_TOL = (1e-3, 1e-3)  # fp32 whatever the inputs' dtype
 # (queries, keys) per sequence: a whole prompt (s = 0), chunks at odd starts, one query, a chunk longer than a block.
@@ -92,3 +95,30 @@ def test_prefill_attention_split_llama(n_q, n_k):
     scale = LLAMA["head_dim"] ** -0.5
     want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, scale)
     assert_close(prefill_attention_split(q, k, v, scale), want, torch.bfloat16, "split prefill attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,n_k", [(2048, 2048), (1531, 7777), (1, 301)])
+@pytest.mark.parametrize("Hq,Hkv,d", [(32, 8, 128), (32, 32, 128), (16, 2, 64)])
+def test_prefill_attention_cudnn(n_q, n_k, Hq, Hkv, d):
+    """The cuDNN split (EngineConfig.prefill_attention "cudnn"): GQA ratios 1, 4 and 8, a chunk at an odd offset,
+    a whole prompt and a single query, against the reference."""
+    q, k, v, cu_q, cu_k = _inputs([(n_q, n_k)], Hq, Hkv, d, torch.bfloat16, "cuda", seed=n_k + Hkv)
+    want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, d ** -0.5)
+    assert_close(chunk_attention(q, k, v, d ** -0.5, "cudnn"), want, torch.bfloat16, "cuDNN prefill attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", [AUTO, *PREFILL_ATTENTIONS])
+def test_prefill_attention_ref_whole_prompt_on_cuda(implementation, monkeypatch):
+    """On CUDA in bf16 a long prompt goes to its implementation in one call (no query chunks), with the reference's
+    outputs, for a whole prompt and for a suffix after a prefix."""
+    calls = []
+    one_chunk = attention.chunk_attention
+    monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(a[0].shape[0]) or one_chunk(*a))
+    for n_q, n_k in ((3001, 3001), (2500, 4099)):
+        q, k, v, cu_q, cu_k = _inputs([(n_q, n_k)], 32, 8, 128, torch.bfloat16, "cuda", seed=n_q)
+        want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, 128 ** -0.5)
+        got = prefill_attention_ref(q, k, v, 128 ** -0.5, 512, implementation)
+        assert_close(got, want, torch.bfloat16, f"{implementation} prefill attention, {n_q} of {n_k}")
+    assert calls == [3001, 2500]

@@ -36,7 +36,7 @@ class CacheSpec:
     device: torch.device | str = "cpu"
     prefill_chunk_tokens: int = 8192
     use_kernels: bool | str = AUTO
-    prefill_attention: str = "sdpa"
+    prefill_attention: str = AUTO
     kv_cache_dtype: str = AUTO
 
     def __post_init__(self):
@@ -47,7 +47,7 @@ class CacheSpec:
 
     @classmethod
     def of(cls, spec, dtype: torch.dtype, device: torch.device | str, prefill_chunk_tokens: int = 8192,
-           use_kernels: bool | str = AUTO, prefill_attention: str = "sdpa",
+           use_kernels: bool | str = AUTO, prefill_attention: str = AUTO,
            kv_cache_dtype: str = AUTO) -> CacheSpec:
         """From a model's ModelSpec."""
         return cls(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
