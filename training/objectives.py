@@ -11,10 +11,11 @@ queries they read from a Hugging Face Llama's forward pass.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
+
+from shadowkv_core.shadowkv.reference import top_subspace
 
 # The ShadowKV settings the small model is trained for; benchmarks/accuracy.py evaluates it with the same.
 RANK_SHARE = 160 / 1024  # the paper's rank over Llama-3-8B's kv_heads*head_dim
@@ -80,42 +81,6 @@ def key_tail(keys: torch.Tensor, rank: int, iters: int | None = None) -> torch.T
     with torch.no_grad():
         top = top_subspace(k.transpose(1, 2) @ k, rank, iters).to(k.dtype)  # (B, W, r)
     return 1 - (k @ top).square().sum((1, 2)) / total
-
-
-def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversample: int = 8) -> torch.Tensor:
-    """Orthonormal bases of the top-`rank` eigen-directions of symmetric PSD matrices: gram (B, W, W) -> (B, W, rank).
-
-    iters None: torch.linalg.eigh, exact (on CUDA it loops over the batch for W > 32: slow for training).
-    iters n: n steps of subspace iteration from a fixed random start of rank+oversample columns, re-orthonormalised by
-    Cholesky QR in fp64, then Rayleigh-Ritz (an eigh of (rank+oversample)² matrices, batched on CUDA up to 32):
-    batched matrix products only, deterministic."""
-    if iters is None:
-        return torch.linalg.eigh(gram)[1][..., -rank:]  # ascending eigenvalues
-    B, W, _ = gram.shape
-    p = min(W, rank + oversample)
-    g = gram.double()
-    q = _orthonormal(g @ _random_start(W, p, g.device))
-    for _ in range(iters):
-        q = _orthonormal(g @ q)
-    ritz = torch.linalg.eigh(q.transpose(1, 2) @ g @ q)[1][..., -rank:]  # (B, p, rank)
-    return (q @ ritz).to(gram.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _random_start(width: int, columns: int, device: torch.device) -> torch.Tensor:
-    """A fixed random (width, columns) fp64 matrix, made once per device (no host-to-device copy per step)."""
-    return torch.randn(width, columns, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
-
-
-def _orthonormal(y: torch.Tensor) -> torch.Tensor:
-    """Cholesky QR (twice, for orthogonality) of y (B, W, p) fp64 -> Q (B, W, p) with Qᵀ Q = I, same column span."""
-    for _ in range(2):
-        gram = y.transpose(1, 2) @ y
-        jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None] * torch.eye(y.shape[2], device=y.device,
-                                                                                          dtype=y.dtype)
-        r = torch.linalg.cholesky_ex(gram + jitter, upper=True)[0]  # no host sync
-        y = torch.linalg.solve_triangular(r, y, upper=True, left=False)
-    return y
 
 
 class KeyCapture:

@@ -6,24 +6,68 @@ rebuild, softmax over landmarks) runs in fp32; results come back in the inputs' 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shadowkv_core.attention import attention_ref
 
 
-def factorize_keys(k_pre: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+SUBSPACE_ITERS = 2  # factorize_keys' subspace iterations on KᵀK (each two passes over the keys)
+
+
+def factorize_keys(k_pre: torch.Tensor, rank: int,
+                   iters: int | None = SUBSPACE_ITERS) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-r factorisation of one layer's pre-RoPE keys, all KV heads concatenated.
 
     k_pre (S, Hkv, d) -> U (S, r) fp32, SV (Hkv, r, d) fp32, with k_pre[:, h] ~= U @ SV[h].
-    K_cat (S, Hkv*d) = U V_rᵀ where V_r (Hkv*d, r) holds the top-r eigenvectors of K_catᵀ K_cat (the right singular
-    vectors, without a full SVD) and U = K_cat V_r. At r = Hkv*d, V_r is orthogonal and the rebuild is exact."""
+    K_cat (S, Hkv*d) = U V_rᵀ where V_r (Hkv*d, r) is an orthonormal basis of the top-r eigen-directions of
+    K_catᵀ K_cat (the right singular vectors' span, without an SVD): top_subspace, by `iters` steps of subspace
+    iteration (randomized, as the ShadowKV authors' low-rank SVD; a full eigh of the (Hkv*d)² Gram matrix is the
+    slowest step of a prefill's factorisation) or exactly by eigh with iters None. U = K_cat V_r. At r = Hkv*d the basis is the whole
+    space and the rebuild exact."""
     S, Hkv, d = k_pre.shape
     k_cat = k_pre.reshape(S, Hkv * d).float()  # (S, Hkv*d)
-    _, eigvecs = torch.linalg.eigh(k_cat.T @ k_cat)  # ascending eigenvalues; (Hkv*d, Hkv*d)
-    v_r = eigvecs[:, -rank:].flip(-1)  # (Hkv*d, r), largest first
+    v_r = top_subspace((k_cat.T @ k_cat)[None], rank, None if rank >= Hkv * d else iters)[0]  # (Hkv*d, r)
     u = k_cat @ v_r  # (S, r)
     sv = v_r.T.reshape(rank, Hkv, d).transpose(0, 1).contiguous()  # (Hkv, r, d)
     return u, sv
+
+
+def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversample: int = 8) -> torch.Tensor:
+    """Orthonormal bases of the top-`rank` eigen-directions of symmetric PSD matrices: gram (B, W, W) -> (B, W, rank).
+
+    iters None: torch.linalg.eigh, exact (on CUDA it loops over the batch for W > 32: slow for training).
+    iters n: n steps of subspace iteration from a fixed random start of rank+oversample columns, re-orthonormalised by
+    Cholesky QR in fp64, then Rayleigh-Ritz (an eigh of (rank+oversample)² matrices, batched on CUDA up to 32):
+    batched matrix products only, deterministic."""
+    if iters is None:
+        return torch.linalg.eigh(gram)[1][..., -rank:]  # ascending eigenvalues
+    B, W, _ = gram.shape
+    p = min(W, rank + oversample)
+    g = gram.double()
+    q = _orthonormal(g @ _random_start(W, p, g.device))
+    for _ in range(iters):
+        q = _orthonormal(g @ q)
+    ritz = torch.linalg.eigh(q.transpose(1, 2) @ g @ q)[1][..., -rank:]  # (B, p, rank)
+    return (q @ ritz).to(gram.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_start(width: int, columns: int, device: torch.device) -> torch.Tensor:
+    """A fixed random (width, columns) fp64 matrix, made once per device (no host-to-device copy per step)."""
+    return torch.randn(width, columns, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
+
+
+def _orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """Cholesky QR (twice, for orthogonality) of y (B, W, p) fp64 -> Q (B, W, p) with Qᵀ Q = I, same column span."""
+    for _ in range(2):
+        gram = y.transpose(1, 2) @ y
+        jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None] * torch.eye(y.shape[2], device=y.device,
+                                                                                          dtype=y.dtype)
+        r = torch.linalg.cholesky_ex(gram + jitter, upper=True)[0]  # no host sync
+        y = torch.linalg.solve_triangular(r, y, upper=True, left=False)
+    return y
 
 
 def project_keys(k_pre: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
