@@ -108,7 +108,13 @@ class EngineConfig:
     gpu_cache_gib / host_cache_gib: memory for the KV caches on the device and for pinned host values;
         None derives them (device free memory x gpu_memory_utilization; 1 GiB each on CPU).
     prefill_chunk_tokens: tokens computed at once inside a layer during prefill (bounds activation memory).
-    max_prefill_tokens: prompt tokens prefilled together in one step (one longer prompt still runs alone).
+    max_prefill_tokens: prompt tokens admitted into one prefill job (one longer prompt still runs alone).
+    prefill_step_tflop: the prefill work an engine step may run beside its decode step, in TFLOP estimated from the
+        geometry (models/prefill_cost.py: 2 per weight per token, attention per query-key pair): a long prompt's
+        prefill advances by slices of a layer (projection rows, attention query chunks, MLP rows) sized to it, so
+        that the running decodes' inter-token latency stays near a step's; None: no limit (a whole prefill per
+        step). With nothing decoding a prefill always runs whole. The default is about 20 ms at a few hundred
+        TFLOP/s.
     prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "auto"
         (the default: "cudnn" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
         whole prompt by its flash kernel, a chunk after a prefix with a causal_lower_right bias), "sdpa_split" (the
@@ -152,6 +158,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     prefill_chunk_tokens: int = 8192
     max_prefill_tokens: int = 16384
+    prefill_step_tflop: float | None = 6.0
     prefill_attention: str = AUTO
     max_waiting: int = 256
     block_size: int = 16
@@ -177,6 +184,10 @@ class EngineConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.prefill_chunk_tokens >= 1, f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         _require(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        _require(self.prefill_step_tflop is None or (isinstance(self.prefill_step_tflop, (int, float)) and not
+                                                     isinstance(self.prefill_step_tflop, bool)
+                                                     and self.prefill_step_tflop > 0),
+                 f"prefill_step_tflop must be > 0 or None (no limit), got {self.prefill_step_tflop!r}")
         _require(self.prefill_attention in (AUTO, *PREFILL_ATTENTIONS),
                  f"prefill_attention must be 'auto' or one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
         _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")

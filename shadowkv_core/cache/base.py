@@ -168,6 +168,24 @@ class KVCache(abc.ABC):
     def attend_end(self, handle) -> torch.Tensor:
         return handle
 
+    # A prefill layer's attention in slices (Decoder layers' prefill_slices: the engine runs a long prompt's prefill a
+    # few slices per step): prefill_begin, then prefill_attention over query chunks in any order, then prefill_end.
+    def prefill_begin(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Store what the cache keeps of this prefill forward's keys and values for `layer` now, and return each
+        sequence's keys and values (context + n, Hkv, d) in batch order, its n queries being the last n of them.
+        Shapes as in `attend`."""
+        raise NotImplementedError(f"{type(self).__name__} prefills whole layers only")
+
+    def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk of one sequence's queries (n_q, Hq, d), the last n_q of keys and values
+        (n_k, Hkv, d): attention.chunk_attention as this cache's prefill runs it."""
+        raise NotImplementedError(f"{type(self).__name__} prefills whole layers only")
+
+    def prefill_end(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,
+                    meta: AttentionMetadata) -> None:
+        """The cache's work on `layer` once every query of the forward has attended (ShadowKV: the layer's shadow)."""
+
     def prepare_forward(self, meta: AttentionMetadata) -> None:
         """Do a forward's host-side bookkeeping now, before its first layer (what its layers share: index tensors
         copied to the device once). Optional: attend does it on first use otherwise."""

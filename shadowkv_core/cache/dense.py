@@ -15,7 +15,7 @@ import triton
 
 from kernels.decode_attention import decode_attention
 
-from ..attention import prefill_attention_ref
+from ..attention import chunk_attention, prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
 from .allocator import BlockAllocator
@@ -214,25 +214,32 @@ class DenseKVCache(KVCache):
                 dequantize_tokens(self.v[layer, rows], self.v_scales[layer, rows], self.spec.dtype))
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
-        rows = self._write_rows(meta)
-        self._store(layer, rows, k_rot, v)
         if self.spec.kernels and not meta.is_prefill:
+            self._store(layer, self._write_rows(meta), k_rot, v)
             return self._decode_fast(layer, q, meta)
         out = torch.empty_like(q)
-        scale = self.spec.scale
+        for start, n, (keys, values) in zip(meta.query_starts, meta.query_lens,
+                                            self.prefill_begin(layer, q, k_pre, k_rot, v, meta)):
+            out[start:start + n] = prefill_attention_ref(q[start:start + n], keys, values, self.spec.scale,
+                                                         self.spec.prefill_chunk_tokens, self.spec.prefill_attention)
+        return out
+
+    def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
+        """Also the reference decode path's: a sequence with a context attends over its blocks, this forward's
+        tokens written first."""
+        self._store(layer, self._write_rows(meta), k_rot, v)
+        keys = []
         for start, n, seq_id, ctx in zip(meta.query_starts, meta.query_lens, meta.seq_ids, meta.context_lens):
-            q_i = q[start:start + n]  # (n, Hq, d)
             if ctx == 0:
-                out[start:start + n] = prefill_attention_ref(q_i, k_rot[start:start + n], v[start:start + n], scale,
-                                                             self.spec.prefill_chunk_tokens,
-                                                             self.spec.prefill_attention)
+                keys.append((k_rot[start:start + n], v[start:start + n]))
                 continue
             rows = self._per_forward(meta, f"context_rows/{seq_id}",  # every layer reads the same rows
                                      lambda s=seq_id, e=ctx + n: self._rows(s, 0, e))
-            keys, values = self._load(layer, rows)
-            out[start:start + n] = prefill_attention_ref(q_i, keys, values, scale, self.spec.prefill_chunk_tokens,
-                                                         self.spec.prefill_attention)
-        return out
+            keys.append(self._load(layer, rows))
+        return keys
+
+    def prefill_attention(self, q, keys, values):
+        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention)
 
     def _decode_plan(self, meta: AttentionMetadata):
         """(block table (B, blocks), key counts (B,), slot ids (B,), max_len) of a decode forward, on the device. The

@@ -172,8 +172,9 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Decode one token for every running request, and advance the prefill under way by as many layers as
-        `max_prefill_tokens` buys (a short prompt's whole prefill; a long prompt's over several steps).
+        """Decode one token for every running request, and advance the prefill under way by as many of its slices
+        as `prefill_step_tflop` buys (a short prompt's whole prefill; a long prompt's over many steps); with nothing
+        decoding, the whole prefill runs in this step.
 
         With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
@@ -202,16 +203,17 @@ class LLMEngine:
         self.last_step_prefilled = self.prefill_job is not None
         if self.prefill_job is not None:
             job = self.prefill_job
-            num_layers = -(-self.config.max_prefill_tokens * self.runner.num_layers // job.num_tokens)
-            outputs += self._run(lambda seqs: self._advance_prefill(job, num_layers), job.seqs)
+            flops = None if not decode or self.config.prefill_step_tflop is None else \
+                self.config.prefill_step_tflop * 1e12
+            outputs += self._run(lambda seqs: self._advance_prefill(job, flops), job.seqs)
             if job.next_layer == self.runner.num_layers:
                 self._time_prefill(job.num_tokens)
         return outputs
 
-    def _advance_prefill(self, job: PrefillJob, num_layers: int) -> torch.Tensor | None:
+    def _advance_prefill(self, job: PrefillJob, flops: float | None) -> torch.Tensor | None:
         """The runner's advance_prefill; once it has run every layer, the prompt logprobs go to the sequences that
         asked for them."""
-        logits = self.runner.advance_prefill(job, num_layers)
+        logits = self.runner.advance_prefill(job, flops)
         for i, packed in job.prompt_logprobs.items():
             seq = job.seqs[i]
             seq.prompt_logprobs = [None, *unpack_logprobs(packed.tolist(), [seq.params.prompt_logprobs] * len(packed))]

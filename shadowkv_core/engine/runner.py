@@ -1,14 +1,18 @@
 """ModelRunner: the device side of a step. Builds the ragged batch, runs the decoder, returns last-token logits.
 
-A prefill is a PrefillJob: its prompts' hidden states advance a few layers per engine step (as many as the step's
-prefill token budget buys), so one long prompt never stalls the running decodes for its whole prefill."""
+A prefill is a PrefillJob: its prompts advance a few slices of a layer per engine step (DecoderLayer.prefill_slices:
+projection rows, attention query chunks, the cache's layer work, MLP rows), as many as the step's FLOP budget buys,
+so one long prompt never stalls the running decodes for a whole layer, let alone its whole prefill."""
 from __future__ import annotations
 
+import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.base import AttentionMetadata, KVCache
+from ..models.prefill_cost import PrefillBudget
 from ..transfers import to_device
 from .cuda_graphs import DecodeGraphs
 from .sampler import token_logprobs
@@ -22,7 +26,9 @@ class PrefillJob:
     seqs: list[Sequence]
     meta: AttentionMetadata
     hidden: torch.Tensor  # (T, hidden) after layers [0, next_layer)
+    budget: PrefillBudget
     next_layer: int = 0
+    layer: Generator[None, None, torch.Tensor] | None = None  # layer next_layer's prefill_slices, once begun
     # once every layer has run: {index in seqs: sampler.token_logprobs of its prompt tokens after the first}, for the
     # sequences that ask for prompt logprobs
     prompt_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -32,14 +38,15 @@ class PrefillJob:
         return self.hidden.shape[0]
 
     def without(self, seq: Sequence) -> PrefillJob | None:
-        """The job less one sequence (aborted mid-prefill); None if it was the last."""
+        """The job less one sequence (aborted mid-prefill); None if it was the last. The layer under way starts over
+        (what it wrote to the cache for the others is written again, the same)."""
         keep = [i for i, s in enumerate(self.seqs) if s is not seq]
         if not keep:
             return None
         starts, lens = self.meta.query_starts, self.meta.query_lens
         rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep]).to(self.hidden.device)
         meta = self.meta.subset(keep, self.meta.positions[rows])
-        return PrefillJob([self.seqs[i] for i in keep], meta, self.hidden[rows], self.next_layer)
+        return PrefillJob([self.seqs[i] for i in keep], meta, self.hidden[rows], self.budget, self.next_layer)
 
 
 class ModelRunner:
@@ -67,17 +74,26 @@ class ModelRunner:
                                  dtype=torch.int64)
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, lens)]).to(self.device)
         meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, cached, positions)
-        return PrefillJob(seqs, meta, self.model.embed_tokens(input_ids.to(self.device)))
+        return PrefillJob(seqs, meta, self.model.embed_tokens(input_ids.to(self.device)),
+                          PrefillBudget(self.model.rank_spec))
 
     @torch.inference_mode()
-    def advance_prefill(self, job: PrefillJob, num_layers: int) -> torch.Tensor | None:
-        """Run the job's next `num_layers` layers; when it has run them all, (B, vocab) float32 logits of each
-        prompt's last token (and the job's prompt_logprobs), else None."""
-        end = min(job.next_layer + num_layers, self.num_layers)
-        job.hidden = self.model.forward_layers(job.hidden, job.meta.positions, self.cache, job.meta,
-                                               job.next_layer, end)
-        job.next_layer = end
-        if end < self.num_layers:
+    def advance_prefill(self, job: PrefillJob, flops: float | None) -> torch.Tensor | None:
+        """Run slices of the job's prefill worth about `flops` (estimated: models/prefill_cost.py; at least one slice;
+        None: all that is left); once it has run every layer, (B, vocab) float32 logits of each prompt's last token
+        (and the job's prompt_logprobs), else None."""
+        job.budget.left = math.inf if flops is None else flops
+        while job.next_layer < self.num_layers and job.budget.left > 0:
+            if job.layer is None:
+                job.layer = self.model.layers[job.next_layer].prefill_slices(
+                    job.hidden, job.meta.positions, self.model.rope_seq_lens(job.meta), self.cache, job.meta,
+                    job.budget)
+                next(job.layer)  # to its first slice
+            try:
+                next(job.layer)  # one slice, and whatever follows it up to the next
+            except StopIteration as done:
+                job.hidden, job.next_layer, job.layer = done.value, job.next_layer + 1, None
+        if job.next_layer < self.num_layers:
             return None
         self.cache.finish_forward(job.meta)
         job.prompt_logprobs = {i: self._prompt_logprobs(job, i) for i, seq in enumerate(job.seqs)

@@ -41,17 +41,20 @@ class Decoder(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, hidden)."""
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        h = self.forward_layers(h, positions, cache, meta, 0, self.spec.num_layers)
+        seq_lens = self.rope_seq_lens(meta)
+        for layer in self.layers:
+            h = layer(h, positions, seq_lens, cache, meta)
         return self.final_norm(h)
 
-    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                       start: int, end: int) -> torch.Tensor:
-        """Layers [start, end) over hidden states h (T, hidden): a long prefill runs a few layers per engine step,
-        between decode steps, instead of stalling them."""
-        seq_lens = self._rope_seq_lens(meta, positions.device) if self.rotary.uses_seq_lens else None
-        for i in range(start, end):
-            h = self.layers[i](h, positions, seq_lens, cache, meta)
-        return h
+    def rope_seq_lens(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """What the layers take as seq_lens for a forward: None unless RoPE follows each sequence's length (longrope,
+        dynamic); else (T,) per token its sequence's length after this forward, what that RoPE decides on, so that
+        each sequence of a ragged batch is rotated exactly as it would be alone."""
+        if not self.rotary.uses_seq_lens:
+            return None
+        device = meta.positions.device
+        lengths = torch.tensor([c + q for c, q in zip(meta.context_lens, meta.query_lens)], device=device)
+        return lengths.repeat_interleave(torch.tensor(meta.query_lens, device=device))
 
     def forward_halves(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -63,7 +66,7 @@ class Decoder(nn.Module):
         rows = metas[0].positions.shape[0]
         h = list(self.embed_tokens(input_ids).split([rows, input_ids.shape[0] - rows]))
         pos = [m.positions for m in metas]
-        lens = [self._rope_seq_lens(m, positions.device) if self.rotary.uses_seq_lens else None for m in metas]
+        lens = [self.rope_seq_lens(m) for m in metas]
         layers = self.layers
 
         def begin(half: int, i: int):
@@ -87,10 +90,3 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (n, hidden) -> logits (n, vocab) in fp32."""
         return self.lm_head(hidden).float()
-
-    @staticmethod
-    def _rope_seq_lens(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-        """(T,) per token: its sequence's length after this forward, what longrope/dynamic RoPE decide on, so
-        that each sequence of a ragged batch is rotated exactly as it would be alone."""
-        lengths = torch.tensor([c + q for c, q in zip(meta.context_lens, meta.query_lens)], device=device)
-        return lengths.repeat_interleave(torch.tensor(meta.query_lens, device=device))

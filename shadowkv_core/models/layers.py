@@ -5,7 +5,7 @@ RoPE's fp32 temporaries) stay bounded whatever the prompt length. On CUDA the no
 fused Triton kernels (kernels/), each tested against the PyTorch code here."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from kernels.swiglu import silu_mul
 
 from ..cache.base import AttentionMetadata, KVCache
 from ..parallel import TensorParallel
+from .prefill_cost import PrefillBudget
 from .rotary import RotaryEmbedding
 from .spec import ModelSpec
 
@@ -119,7 +120,7 @@ class Attention(nn.Module):
               meta: AttentionMetadata):
         """Project and hand the layer's tokens to the cache (KVCache.attend_begin); -> a handle for `end`."""
         if x.shape[0] <= self.chunk_tokens:
-            q, k_pre, k_rot, v = self._project(x, positions, seq_lens)
+            q, k_pre, k_rot, v = self.project(x, positions, seq_lens)
         else:
             q, k_pre, k_rot, v = self._project_chunked(x, positions, seq_lens)
         return cache.attend_begin(self.layer_idx, q, k_pre, k_rot, v, meta)
@@ -134,11 +135,11 @@ class Attention(nn.Module):
         k_pre, k_rot, v = (x.new_empty(n, self.num_kv_heads, self.head_dim) for _ in range(3))
         for s in range(0, n, self.chunk_tokens):
             e = s + self.chunk_tokens
-            q[s:e], k_pre[s:e], k_rot[s:e], v[s:e] = self._project(
+            q[s:e], k_pre[s:e], k_rot[s:e], v[s:e] = self.project(
                 x[s:e], positions[s:e], None if seq_lens is None else seq_lens[s:e])
         return q, k_pre, k_rot, v
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
+    def project(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         """q (t, Hq, d) post-RoPE, k_pre (t, Hkv, d) pre-RoPE (after k_norm), k_rot post-RoPE, v (t, Hkv, d)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (t, Hkv, d)
@@ -176,13 +177,61 @@ class DecoderLayer(nn.Module):
                                     meta)
 
     def end(self, h: torch.Tensor, handle, cache: KVCache) -> torch.Tensor:
-        attn = self.self_attn.end(handle, cache)
-        if self.post_self_attn_layernorm is not None:
-            attn = self.post_self_attn_layernorm(attn)
+        attn = self._post_attention(self.self_attn.end(handle, cache))
         if h.shape[0] <= self.chunk_tokens:  # one chunk (a decode step): the residual add fused into the norm
             normed, h = self.post_attention_layernorm.add_and_norm(attn, h)
             return self._mlp_out(h, normed)
         return chunked(self._mlp_block, h + attn, self.chunk_tokens)
+
+    def prefill_slices(self, h: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, cache: KVCache,
+                       meta: AttentionMetadata, budget: PrefillBudget) -> Generator[None, None, torch.Tensor]:
+        """This layer's prefill over h (T, hidden) in slices, pausing (yield) before each, so that an engine runs a
+        long prompt's a few slices per step between decode steps: the norm and the q/k/v projection by row chunks,
+        the cache's prefill_begin, each sequence's causal attention by query chunks (against its keys up to the
+        chunk's end), the cache's prefill_end, then o_proj, the residual and the MLP by row chunks. Chunks are at
+        most chunk_tokens long and sized to what `budget` has left. Returns the layer's output (T, hidden), a new
+        tensor: h is left as it was (a job can restart the layer without one of its sequences). Held between slices:
+        q, k_pre, k_rot, v, the attention output and the output rows so far."""
+        attn, n, limit = self.self_attn, h.shape[0], self.chunk_tokens
+        layer = attn.layer_idx
+        q = h.new_empty(n, attn.num_heads, attn.head_dim)
+        k_pre, k_rot, v = (h.new_empty(n, attn.num_kv_heads, attn.head_dim) for _ in range(3))
+
+        def project(s: int, e: int) -> None:
+            q[s:e], k_pre[s:e], k_rot[s:e], v[s:e] = attn.project(
+                self.input_layernorm(h[s:e]), positions[s:e], None if seq_lens is None else seq_lens[s:e])
+
+        yield from budget.run_slices(n, limit, lambda s, e: (e - s) * budget.projection_row, project)
+        out = torch.empty_like(q)
+        for start, rows, (keys, values) in zip(meta.query_starts, meta.query_lens,
+                                               cache.prefill_begin(layer, q, k_pre, k_rot, v, meta)):
+            yield from self._attention_slices(q[start:start + rows], keys, values, out[start:start + rows], cache,
+                                              budget)
+        yield
+        cache.prefill_end(layer, q, k_pre, k_rot, v, meta)
+        del q, k_pre, k_rot, v, keys, values  # the attention output is all the rest needs
+        h_out = torch.empty_like(h)
+
+        def output(s: int, e: int) -> None:
+            a = self._post_attention(attn.o_proj(out[s:e].reshape(e - s, attn.q_size)))
+            h_out[s:e] = self._mlp_block(h[s:e] + a)
+
+        yield from budget.run_slices(n, limit, lambda s, e: (e - s) * budget.output_row, output)
+        return h_out
+
+    def _attention_slices(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
+                          cache: KVCache, budget: PrefillBudget) -> Generator[None, None, None]:
+        """One sequence's causal attention into out by query chunks: q (n, Hq, d), the last n of keys and values."""
+        before = keys.shape[0] - q.shape[0]  # the cached prefix's keys
+
+        def attend(s: int, e: int) -> None:
+            out[s:e] = cache.prefill_attention(q[s:e], keys[:before + e], values[:before + e])
+
+        yield from budget.run_slices(q.shape[0], self.chunk_tokens, lambda s, e: budget.attention(before + s, e - s),
+                                     attend)
+
+    def _post_attention(self, attn: torch.Tensor) -> torch.Tensor:
+        return attn if self.post_self_attn_layernorm is None else self.post_self_attn_layernorm(attn)
 
     def _mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         return self._mlp_out(h, self.post_attention_layernorm(h))

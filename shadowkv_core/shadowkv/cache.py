@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shadowkv_core.attention import chunk_attention
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec, KVCache
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import Pools
@@ -22,7 +23,7 @@ from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.manager import SequenceState, ShadowKVManager
 from shadowkv_core.shadowkv.pages import GpuPages
 from shadowkv_core.shadowkv.plan import DecodePlan, PageTables
-from shadowkv_core.shadowkv.prefill import prefill_layer
+from shadowkv_core.shadowkv.prefill import build_shadow, prefill_layer
 from shadowkv_core.shadowkv.reference import chunk_landmarks
 from shadowkv_core.shadowkv.slots import Slots
 
@@ -100,6 +101,18 @@ class ShadowKVCache(KVCache):
     def attend_end(self, handle) -> torch.Tensor:
         out, pending = handle
         return out if pending is None else end_decode_layer(self, pending)
+
+    def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
+        self._states(meta)  # whole prompts only
+        return [(k_rot[start:start + n], v[start:start + n]) for start, n in zip(meta.query_starts, meta.query_lens)]
+
+    def prefill_attention(self, q, keys, values):
+        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention)
+
+    def prefill_end(self, layer, q, k_pre, k_rot, v, meta):
+        for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens):
+            i = slice(start, start + n)
+            build_shadow(self, layer, st, q[i], k_pre[i], k_rot[i], v[i])
 
     def prepare_forward(self, meta: AttentionMetadata) -> None:
         if self._decodes_fast(meta):

@@ -123,6 +123,25 @@ class HybridCache(KVCache):
         out[rows] = self.shadow.attend_end(pending)
         return out
 
+    def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
+        split = self._split(meta)
+        if not split.mixed:
+            side = self.dense if split.shadow_meta is None else self.shadow
+            return side.prefill_begin(layer, q, k_pre, k_rot, v, meta)
+        sides = {cache: iter(cache.prefill_begin(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], sub))
+                 for cache, sub, rows in self._sides(split)}
+        return [next(sides[self.shadow if self.manager.in_shadow(s) else self.dense]) for s in meta.seq_ids]
+
+    def prefill_attention(self, q, keys, values):
+        return self.dense.prefill_attention(q, keys, values)  # both sides' specs are the model's
+
+    def prefill_end(self, layer, q, k_pre, k_rot, v, meta):
+        split = self._split(meta)
+        if split.shadow_meta is None:
+            return
+        rows = split.shadow_rows if split.mixed else slice(None)
+        self.shadow.prefill_end(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], split.shadow_meta)
+
     def _sides(self, split: BatchSplit):
         """(cache, its metadata, its rows) of each side the forward has sequences on."""
         return [(cache, sub, rows) for cache, sub, rows in ((self.dense, split.dense_meta, split.dense_rows),

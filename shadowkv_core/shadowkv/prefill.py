@@ -17,6 +17,14 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     (P, Hkv, d) -> (P, Hq, d)."""
     out = prefill_attention_ref(q, k_rot, v, cache.spec.scale, cache.spec.prefill_chunk_tokens,
                                 cache.spec.prefill_attention)
+    build_shadow(cache, layer, st, q, k_pre, k_rot, v)
+    return out
+
+
+def build_shadow(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """The layer's shadow of the whole prompt, once its attention has run (prefill_layer, or the engine's sliced
+    prefill). Shapes as in prefill_layer."""
     slots, C = cache.slots, cache.config.chunk_size
     u, sv = factorize_keys(k_pre, cache.config.rank)  # (P, r), (Hkv, r, d)
     cache.gpu.write_u(layer, st.gpu_table, 0, u)
@@ -33,7 +41,6 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
             store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)
     slots.window_k[st.slot, layer, :st.window_len] = k_rot[middle:]
     slots.window_v[st.slot, layer, :st.window_len] = v[middle:]
-    return out
 
 
 def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,

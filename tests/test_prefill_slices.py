@@ -1,0 +1,132 @@
+"""The engine's sliced prefill (DecoderLayer.prefill_slices, EngineConfig.prefill_step_tflop): a long prompt's prefill
+runs a few slices of a layer per step while the running requests keep decoding one token per step, and gives what an
+unsliced prefill gives (fp32 on CPU): the same last-token logits, the same greedy tokens, the same prompt logprobs,
+for dense and ShadowKV caches, ragged batches and a prompt after a cached prefix."""
+import dataclasses
+
+import pytest
+import torch
+
+from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core.engine.sequence import Sequence
+from shadowkv_core.models.prefill_cost import PrefillBudget
+from shadowkv_core.tiny_model import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# full rank and a budget over every context: ShadowKV reproduces dense attention exactly; under 16 tokens stays dense
+FULL_SHADOW = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
+                             min_context=16, decode_window=16)
+CACHES = {"dense": None, "shadowkv": FULL_SHADOW}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1))
+
+
+def tokens(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_llm(tiny_path, shadowkv=None, **kwargs):
+    return LLM(model=tiny_path, max_num_seqs=6, max_model_len=512, gpu_cache_gib=0.03, shadowkv=shadowkv, **kwargs)
+
+
+def rows_of(engine, n):
+    """FLOPs of n rows of a layer's projection: a budget that small slices the prefill finely."""
+    return n * PrefillBudget(engine.model.rank_spec).projection_row
+
+
+def allocated(engine, prompts, first_id=0):
+    seqs = []
+    for i, prompt in enumerate(prompts, first_id):
+        seq = Sequence(i, str(i), prompt, GREEDY, 0)
+        seq.num_cached_tokens = engine.cache.manager.allocate(i, len(prompt), GREEDY.max_tokens, prompt)
+        seqs.append(seq)
+    return seqs
+
+
+def unsliced_logits(engine, seqs):
+    """The last tokens' logits of a whole-layer prefill: the decoder's forward through the caches' attend."""
+    job = engine.runner.start_prefill(seqs)
+    ids = torch.tensor([t for s in seqs for t in s.prompt_token_ids[s.num_cached_tokens:]])
+    with torch.inference_mode():
+        h = engine.model(ids, job.meta.positions, engine.cache, job.meta)
+    engine.cache.finish_forward(job.meta)
+    return engine.model.compute_logits(h[torch.tensor(job.meta.query_lens).cumsum(0) - 1])
+
+
+def sliced_logits(engine, seqs, flops):
+    """(logits, advance_prefill calls) of the runner's sliced prefill at `flops` per call."""
+    job, calls = engine.runner.start_prefill(seqs), 1
+    while (logits := engine.runner.advance_prefill(job, flops)) is None:
+        calls += 1
+    return logits, calls
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_finely_sliced_prefill_of_a_ragged_batch_gives_the_unsliced_logits(tiny_path, cache):
+    # 90/61/120 tokens are kept in shadows, 5 and 10 stay dense: with ShadowKV a mixed batch through the hybrid cache
+    prompts = [tokens(n, seed) for n, seed in ((90, 1), (5, 2), (61, 3), (10, 4), (120, 5))]
+    whole, sliced = make_llm(tiny_path, CACHES[cache]), make_llm(tiny_path, CACHES[cache])
+    want = unsliced_logits(whole.engine, allocated(whole.engine, prompts))
+    got, calls = sliced_logits(sliced.engine, allocated(sliced.engine, prompts), rows_of(sliced.engine, 7))
+    assert calls > 2 * sum(map(len, prompts)) // 7  # projection and MLP rows alone take a call per 7 rows
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 1e-9])
+def test_a_suffix_after_a_cached_prefix_prefills_sliced_to_the_cold_logits(tiny_path, budget):
+    doc, suffix = tokens(48, 11), tokens(37, 12)
+    cold, warm = make_llm(tiny_path, enable_prefix_caching=False), make_llm(tiny_path)
+    warm.generate([doc + [7]], GREEDY)  # caches the doc's full blocks
+    want = unsliced_logits(cold.engine, allocated(cold.engine, [doc + suffix]))
+    seqs = allocated(warm.engine, [doc + suffix], first_id=50)
+    assert seqs[0].num_cached_tokens == 48
+    flops = None if budget is None else budget * 1e12
+    got, calls = sliced_logits(warm.engine, seqs, flops)
+    assert (calls == 1) == (budget is None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def run_beside_decodes(llm, prompts, params, decoding=2):
+    """Start `decoding` requests, let them decode, then add `prompts`: (the prompts' outputs, per step the requests
+    that got a token and whether a prefill job was under way after it)."""
+    engine = llm.engine
+    for i in range(decoding):
+        engine.add_request(f"d{i}", tokens(12, 30 + i), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    outs, steps = {}, []
+    while any(f"p{i}" in engine.requests for i in range(len(prompts))):
+        got = engine.step()
+        steps.append(([o.request_id for o in got], engine.prefill_job is not None))
+        outs.update({o.request_id: o for o in got if o.request_id.startswith("p")})
+    for i in range(decoding):
+        engine.abort(f"d{i}")
+    stats = engine.stats()
+    assert (stats["num_seqs"], stats["num_running"], stats["gpu_bytes_in_use"]) == (0, 0, 0)
+    return [outs[f"p{i}"] for i in range(len(prompts))], steps
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_long_prefill_spans_many_steps_while_each_decode_gets_a_token_every_step(tiny_path, cache):
+    llm = make_llm(tiny_path, CACHES[cache])
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows_of(engine, 16) / 1e12)
+    prompt = tokens(200, 21)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    (out,), steps = run_beside_decodes(llm, [prompt], params)
+    reference = make_llm(tiny_path, CACHES[cache]).generate([prompt], params)[0]
+    assert out.token_ids == reference.token_ids
+    prefilling = [got for got, under_way in steps if under_way]
+    assert len(prefilling) > 20  # two layers of a 200-token prompt, 16 rows' worth per step
+    assert all(sorted(got) == ["d0", "d1"] for got in prefilling)  # every step: one token for each decode
+    first = next(i for i, (got, _) in enumerate(steps) if "p0" in got)
+    assert first == len(prefilling)  # its first token comes with the step that ends its prefill
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for got, want in zip(out.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+        assert (got.rank, [t for t, _ in got.top]) == (want.rank, [t for t, _ in want.top])
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
