@@ -140,6 +140,10 @@ def test_engine_config_errors_are_clear(tiny_path):
         EngineConfig(model=tiny_path, prefill_attention="cudnn", device="cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=tiny_path, kv_cache_dtype="int8")
+    for bad in (0, -1.0, True, "6", float("nan")):
+        with pytest.raises(ValueError, match="prefill_step_tflop"):
+            EngineConfig(model=tiny_path, prefill_step_tflop=bad)
+    assert EngineConfig(model=tiny_path, prefill_step_tflop=None).prefill_step_tflop is None  # no limit
 
 
 def test_split_prefill_attention_gives_the_default_tokens(tiny_path, dense_llm, monkeypatch):
@@ -203,22 +207,30 @@ def test_dummy_weights_serve_a_config_only_checkpoint(tmp_path):
         llm.generate("text needs a tokenizer", GREEDY)
 
 
-def test_a_long_prefill_advances_layer_by_layer_while_decodes_keep_running(tiny_path):
-    llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=32,
-              shadowkv=FULL_SHADOW)
+# FLOPs of about 16 rows of the tiny model's q/k/v projection (2 * 64 * 128 per row): a long prompt's prefill beside
+# running decodes takes many steps, each layer several
+SMALL_STEP_TFLOP = 2.5e-7
+
+
+@pytest.mark.parametrize("shadowkv", [FULL_SHADOW, None], ids=["shadowkv", "dense"])
+def test_an_abort_in_the_middle_of_a_sliced_prefill_frees_it_and_spares_the_rest_of_its_job(tiny_path, shadowkv):
+    llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=256,
+              shadowkv=shadowkv, prefill_step_tflop=SMALL_STEP_TFLOP, enable_prefix_caching=False)  # one job
     engine = llm.engine
     short, long, doomed = prompts_of_lengths([10, 64, 64], seed=13)
     want = [o.token_ids for o in llm.generate([short, long], GREEDY)]
     engine.add_request("short", short, GREEDY)
-    engine.step()  # the short prompt prefills in one step: 10 tokens fit the 32-token budget
+    engine.step()  # nothing decodes yet: the short prompt's whole prefill runs in this step
+    assert engine.prefill_job is None
     engine.add_request("long", long, GREEDY)
-    engine.add_request("doomed", doomed, GREEDY)  # joins the long one's 128-token job: one layer of two per step
-    first = {o.request_id: o for o in engine.step()}
-    assert "short" in first and "long" not in first and engine.prefill_job.next_layer == 1
+    engine.add_request("doomed", doomed, GREEDY)  # one job of 128 tokens, beside the short one's decodes
+    for _ in range(3):
+        assert "short" in {o.request_id for o in engine.step()}
+    job = engine.prefill_job
+    assert job.layer is not None and job.next_layer == 0  # in the middle of the first layer
     engine.abort("doomed")
-    assert [s.request_id for s in engine.prefill_job.seqs] == ["long"]
-    second = {o.request_id: o for o in engine.step()}
-    assert second["long"].token_ids and engine.prefill_job is None
+    assert [s.request_id for s in engine.prefill_job.seqs] == ["long"] and engine.prefill_job.layer is None
+    assert engine.stats()["num_seqs"] == 2  # the aborted prompt's cache is freed at once
     outs = {}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
@@ -309,20 +321,24 @@ def test_pipelined_halves_decode_exactly_as_one_batch(tiny_path, use_kernels):
 def test_next_finish_bounds_when_a_request_can_end(tiny_path):
     """LLMEngine.next_finish_s: None while idle or before any prefill was timed alone; during a prefill with nothing
     decoding, the time its layers still need at the fastest timed prefill rate; 0 once a request decodes."""
-    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=16)
+    llm = LLM(model=tiny_path, max_num_seqs=2, max_model_len=512, gpu_cache_gib=0.01,
+              prefill_step_tflop=SMALL_STEP_TFLOP)
     engine = llm.engine
     first, second = prompts_of_lengths([200, 200], seed=29)
     assert engine.next_finish_s() is None
     engine.add_request("timed", first, SamplingParams(max_tokens=1, ignore_eos=True))
-    engine.step()  # one of the tiny model's two layers (16 tokens' worth of the budget buys one)
-    assert engine.next_finish_s() is None  # no prefill timed yet
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.add_request("bounded", second, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # nothing decodes beside it: its whole prefill runs in this step, timed
+    assert not engine.has_unfinished_requests()
+    engine.add_request("brief", prompts_of_lengths([5], seed=31)[0], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
+    engine.add_request("bounded", second, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.next_finish_s() == 0.0  # "brief" decodes
+    engine.step()
+    engine.step()  # "brief" ends; the prefill has run a few slices beside its decodes
+    assert "brief" not in engine.requests and engine.prefill_job is not None
     half = engine.next_finish_s()
-    assert half is not None and half > 0  # the prefill's second layer is still to run
-    engine.step()  # the prefill ends; the request decodes
+    assert half is not None and half > 0  # its layers are still to run
+    engine.step()  # nothing decodes: the rest of the prefill runs whole; the request decodes
     assert engine.next_finish_s() == 0.0
     while engine.has_unfinished_requests():
         engine.step()
