@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.sequence import Sequence
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.tiny_model import build_tiny_model
@@ -130,3 +131,28 @@ def test_a_long_prefill_spans_many_steps_while_each_decode_gets_a_token_every_st
     for got, want in zip(out.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
         assert (got.rank, [t for t, _ in got.top]) == (want.rank, [t for t, _ in want.top])
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+def held_bytes(job) -> int:
+    """Bytes of the distinct tensor storages a prefill job holds between steps: its hidden states and what its layer
+    generator (and the generators it delegates to) keep."""
+    tensors, gen = [job.hidden], job.layer
+    while gen is not None:
+        tensors += [v for v in gen.gi_frame.f_locals.values() if isinstance(v, torch.Tensor)]  # closures' too
+        gen = gen.gi_yieldfrom
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_a_job_holds_between_steps_fits_the_memory_models_prefill_workspace(tiny_path, cache):
+    llm = make_llm(tiny_path, CACHES[cache])
+    engine = llm.engine
+    prompt = tokens(300, 41)
+    job = engine.runner.start_prefill(allocated(engine, [prompt]))
+    g = mm.Geometry.from_spec(engine.model.rank_spec, torch.float32, "auto")
+    workspace = mm.prefill_workspace_bytes(g, CACHES[cache], len(prompt), engine.config.prefill_chunk_tokens)
+    peak, rows = 0, rows_of(engine, 40)
+    while engine.runner.advance_prefill(job, rows) is None:
+        peak = max(peak, held_bytes(job))
+    assert 4 * len(prompt) * g.hidden_size * 4 < peak <= workspace  # at least the layer's input, q, k, v, output
