@@ -33,12 +33,13 @@ from shadowkv_core.models.geometry import TINY_SHADOWKV, model_spec, write_confi
 COLUMNS = ["method", "budget_tflop", "decode_batch", "itl_p50_ms", "itl_p99_ms", "prefill_itl_p50_ms",
            "prefill_itl_p99_ms", "p99_over_p50", "ttft_s", "ttft_alone_s", "ttft_ratio", "prefill_steps",
            "decode_tokens_during_prefill"]
+WARM_UP_TOKENS = 4  # throughput.warm_up's request: the prompt's length less one, and 4 tokens
 
 
 def build_engine(args: argparse.Namespace, config_dir: str, g: mm.Geometry, cfg: ShadowKVConfig | None,
                  options: dict) -> LLMEngine:
     """An engine whose pools hold the decodes and the prompt (the memory model's sizes for each shape, summed)."""
-    shapes = ((args.decode_batch, args.decode_context, args.decode_tokens), (1, args.prompt, 1))
+    shapes = ((args.decode_batch, args.decode_context, args.decode_tokens), (1, args.prompt, WARM_UP_TOKENS))
     if cfg is None:
         gpu, host = sum(n * mm.engine_seq_bytes(g, None, c, new).gpu for n, c, new in shapes), 0
     else:
@@ -46,7 +47,7 @@ def build_engine(args: argparse.Namespace, config_dir: str, g: mm.Geometry, cfg:
     return LLMEngine(EngineConfig(
         model=config_dir, device=args.device, dtype=str(dtype_for(args.device)).removeprefix("torch."),
         load_format="dummy", shadowkv=cfg, max_num_seqs=args.decode_batch + 1,
-        max_model_len=max(args.decode_context + args.decode_tokens, args.prompt + 1),
+        max_model_len=max(args.decode_context + args.decode_tokens, args.prompt + WARM_UP_TOKENS),
         max_prefill_tokens=max(args.prompt, args.decode_context), enable_prefix_caching=False,  # every run prefills
         gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host / mm.GIB or None, **options))
 
