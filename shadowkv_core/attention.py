@@ -34,15 +34,21 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     flash-style kernel that never holds the scores, so the prompt goes in one call (one launch, one wave schedule, and
     a whole prompt is a square causal block, which SDPA's flash kernel takes without a mask). Shapes as in
     `attention_ref`."""
-    n = q.shape[0]
-    if n <= chunk_tokens or _scores_never_exist(q):
+    n, limit = q.shape[0], query_chunk_limit(q, chunk_tokens)
+    if n <= limit:
         return chunk_attention(q, k, v, scale, implementation)
     out = torch.empty_like(q)
     before = k.shape[0] - n
-    for start in range(0, n, chunk_tokens):
-        end = min(start + chunk_tokens, n)
+    for start in range(0, n, limit):
+        end = min(start + limit, n)
         out[start:end] = chunk_attention(q[start:end], k[:before + end], v[:before + end], scale, implementation)
     return out
+
+
+def query_chunk_limit(q: torch.Tensor, chunk_tokens: int) -> int:
+    """The most of a prompt's queries q (n, Hq, d) that one chunk_attention call takes: all of them where no kernel
+    holds the scores (CUDA, half precision), else chunk_tokens."""
+    return q.shape[0] if _scores_never_exist(q) else chunk_tokens
 
 
 def _scores_never_exist(q: torch.Tensor) -> bool:

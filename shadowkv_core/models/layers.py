@@ -14,6 +14,7 @@ from torch import nn
 from kernels.rmsnorm import rms_norm
 from kernels.swiglu import silu_mul
 
+from ..attention import query_chunk_limit
 from ..cache.base import AttentionMetadata, KVCache
 from ..parallel import TensorParallel
 from .prefill_cost import PrefillBudget
@@ -189,9 +190,10 @@ class DecoderLayer(nn.Module):
         long prompt's a few slices per step between decode steps: the norm and the q/k/v projection by row chunks,
         the cache's prefill_begin, each sequence's causal attention by query chunks (against its keys up to the
         chunk's end), the cache's prefill_end, then o_proj, the residual and the MLP by row chunks. Chunks are at
-        most chunk_tokens long and sized to what `budget` has left. Returns the layer's output (T, hidden), a new
-        tensor: h is left as it was (a job can restart the layer without one of its sequences). Held between slices:
-        q, k_pre, k_rot, v, the attention output and the output rows so far."""
+        most chunk_tokens long (attention's: attention.query_chunk_limit) and sized to what `budget` has left.
+        Returns the layer's output (T, hidden), a new tensor: h is left as it was (a job can restart the layer
+        without one of its sequences). Held between slices: q, k_pre, k_rot, v, the attention output and the
+        output rows so far."""
         attn, n, limit = self.self_attn, h.shape[0], self.chunk_tokens
         layer = attn.layer_idx
         q = h.new_empty(n, attn.num_heads, attn.head_dim)
@@ -221,14 +223,15 @@ class DecoderLayer(nn.Module):
 
     def _attention_slices(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
                           cache: KVCache, budget: PrefillBudget) -> Generator[None, None, None]:
-        """One sequence's causal attention into out by query chunks: q (n, Hq, d), the last n of keys and values."""
+        """One sequence's causal attention into out by query chunks (unlimited, as prefill_attention_ref takes them):
+        q (n, Hq, d), the last n of keys and values."""
         before = keys.shape[0] - q.shape[0]  # the cached prefix's keys
 
         def attend(s: int, e: int) -> None:
             out[s:e] = cache.prefill_attention(q[s:e], keys[:before + e], values[:before + e])
 
-        yield from budget.run_slices(q.shape[0], self.chunk_tokens, lambda s, e: budget.attention(before + s, e - s),
-                                     attend)
+        yield from budget.run_slices(q.shape[0], query_chunk_limit(q, self.chunk_tokens),
+                                     lambda s, e: budget.attention(before + s, e - s), attend)
 
     def _post_attention(self, attn: torch.Tensor) -> torch.Tensor:
         return attn if self.post_self_attn_layernorm is None else self.post_self_attn_layernorm(attn)
