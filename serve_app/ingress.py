@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.admission import AdmissionGate, Footprint, affinity_keys, board_for
+from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
@@ -121,7 +121,7 @@ class Ingress:
         self.limits.check_request(request)
         self._refuse_early()
         choices = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
-                                          self.default_max_tokens)
+                                          self.default_max_tokens, self.footprint.block_size)
         for prepared in choices:
             self.limits.check_prompt(len(prepared.prompt_token_ids))
         events = await self._start_choices(request_id, choices, arrived)
@@ -143,9 +143,8 @@ class Ingress:
             for i, prepared in enumerate(choices):
                 engine_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
                 gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
-                keys = await asyncio.to_thread(affinity_keys, prepared.prompt_token_ids, self.footprint.block_size)
-                await self._admit(engine_id, gpu, host, keys)
-                events = self._events(engine_id, prepared, gpu, host, keys, arrived)
+                await self._admit(engine_id, gpu, host, prepared.affinity)
+                events = self._events(engine_id, prepared, gpu, host, arrived)
                 first = await self._first_event(events)  # on failure it closes `events` itself
                 firsts.append(prepared.echoed(first))
                 streams.append(events)
@@ -170,12 +169,11 @@ class Ingress:
             raise
         self.metrics.admitted.inc()
 
-    async def _events(self, request_id: str, prepared, gpu: int, host: int, keys: tuple[bytes, ...],
-                      arrived: float) -> AsyncIterator[dict]:
+    async def _events(self, request_id: str, prepared, gpu: int, host: int, arrived: float) -> AsyncIterator[dict]:
         """The replica's events for one request; records TTFT and inter-token latency, and on any exit (done,
         error, client gone, deadline) cancels the replica-side generator and drops the reservation."""
         payload = {"request_id": request_id, "prompt_token_ids": prepared.prompt_token_ids,
-                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host, "affinity": keys}
+                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host, "affinity": prepared.affinity}
         stream = self.stream_engine.generate.remote(payload)
         last, finished = None, False
         try:

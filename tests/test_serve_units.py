@@ -382,14 +382,28 @@ def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob_and_coun
     assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (2, 3)
 
 
+def test_prepare_hashes_each_prompt_once_for_its_affinity_keys(monkeypatch):
+    """Two prompts of two full blocks, n=3: one hashing per prompt, shared by that prompt's three choices."""
+    hashed = []
+
+    def counted(token_ids, block_size):
+        hashed.append(list(token_ids))
+        return affinity_keys(token_ids, block_size)
+    monkeypatch.setattr("serve_app.prepare.affinity_keys", counted)
+    first, second = list(range(32)), list(range(100, 132))
+    choices = prepare(None, CompletionRequest(model="m", prompt=[first, second], max_tokens=2, n=3), 64, 8, 16)
+    assert hashed == [first, second]
+    assert [c.affinity for c in choices] == [affinity_keys(first, 16)] * 3 + [affinity_keys(second, 16)] * 3
+    assert len(choices[0].affinity) == 2 and choices[0].affinity != choices[3].affinity
+
 def test_prepare_asks_the_engine_for_what_logprobs_best_of_and_echo_need():
     tokenizer = None  # prompts of token ids
     ids = [5, 6, 7]
-    plain, = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2), 64, 8)
+    plain, = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2), 64, 8, 16)
     assert (plain.params.logprobs, plain.params.prompt_logprobs) == (None, None)
-    best = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2, n=2, best_of=3), 64, 8)
+    best = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2, n=2, best_of=3), 64, 8, 16)
     assert len(best) == 3 and {p.params.logprobs for p in best} == {0}
-    echo, = prepare(LETTERS, CompletionRequest(model="m", prompt=[ids], max_tokens=2, echo=True, logprobs=3), 64, 8)
+    echo, = prepare(LETTERS, CompletionRequest(model="m", prompt=[ids], max_tokens=2, echo=True, logprobs=3), 64, 8, 16)
     assert (echo.params.logprobs, echo.params.prompt_logprobs) == (3, 3)
     first = {"text": "i", "token_ids": [8], "logprobs": [_lp(8, -1.0)], "prompt_logprobs": [None, _lp(6, -2.0),
                                                                                               _lp(7, -2.0)]}
