@@ -8,12 +8,15 @@ import asyncio
 import importlib.metadata
 import logging
 import time
+import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
@@ -136,23 +139,33 @@ class Ingress:
         return await collect(events, kind, request_id, model, count, request.n, request.candidates, logprobs, tools)
 
     async def _start_choices(self, request_id: str, choices: list, arrived: float) -> AsyncIterator[dict]:
-        """Admit each choice as an engine request of its own and wait for its first event; a refusal of any one
-        ends those already started. -> their events merged, tagged with each choice's index."""
-        firsts, streams = [], []
+        """Admit every choice at once, each as an engine request of its own, and wait for their first events; a
+        refusal of any one ends the others, started or still waiting. -> their events merged, tagged with each
+        choice's index."""
+        engine_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        tasks = [asyncio.ensure_future(self._start(engine_id, prepared, arrived))
+                 for engine_id, prepared in zip(engine_ids, choices)]
         try:
-            for i, prepared in enumerate(choices):
-                engine_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
-                gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
-                await self._admit(engine_id, gpu, host, prepared.affinity)
-                events = self._events(engine_id, prepared, gpu, host, arrived)
-                first = await self._first_event(events)  # on failure it closes `events` itself
-                firsts.append(prepared.echoed(first))
-                streams.append(events)
+            started = await asyncio.gather(*tasks)
         except BaseException:
-            for events in streams:
-                await events.aclose()
+            for task in tasks:
+                task.cancel()
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(outcome, tuple):
+                    await outcome[1].aclose()
             raise
-        return merge(firsts, streams)
+        return merge([first for first, _ in started], [events for _, events in started])
+
+    async def _start(self, engine_id: str, prepared, arrived: float) -> tuple[dict, AsyncIterator[dict]]:
+        """One choice admitted and started: (its first event, echo included; its events). Runs in a task of its own,
+        under a Serve request id of its own: Serve's router tracks a call by its parent request's internal id, so
+        calls of one request in flight at once would collide there (one of them never sent)."""
+        context = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(replace(context, _internal_request_id=uuid.uuid4().hex))
+        gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
+        await self._admit(engine_id, gpu, host, prepared.affinity)
+        events = self._events(engine_id, prepared, gpu, host, arrived)
+        return prepared.echoed(await self._first_event(events)), events  # on failure it closes `events` itself
 
     def _refuse_early(self) -> None:
         try:

@@ -14,6 +14,8 @@ from serve_app.admission import ENDED_KEPT_S, AdmissionGate, CapacityBoard, affi
 from serve_app.autoscaling import desired_replicas
 from serve_app.engine_replica import engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
+from serve_app.ingress import Ingress
+from serve_app.limits import RequestLimits
 from serve_app.logprobs import LogprobFormatter
 from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import logprobs_of, prepare
@@ -618,6 +620,94 @@ def test_gate_places_the_line_first_come_first_placed():
     asyncio.run(scenario())
     assert placed == ["r0", "r1", "r2", "r3"]
 
+
+def _ingress(board, engine_events):
+    """An Ingress without Ray: its gate on `board`, an engine whose request streams `engine_events(payload)`.
+    -> (the ingress, the engine request ids in the order they reached the engine, those it was told to cancel)."""
+    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # the class as written, without Serve's ASGI wrapper
+    ingress.gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    ingress.footprint = SimpleNamespace(predict=lambda prompt_len, max_tokens: (1, 0), block_size=16)
+    ingress.metrics, ingress.limits = ServiceMetrics(), RequestLimits()
+    started, cancelled = [], []
+
+    class Stream:
+        def __init__(self, payload):
+            self.request_id = payload["request_id"]
+            started.append(self.request_id)
+            self.events = engine_events(payload)
+
+        def __aiter__(self):
+            return self.events
+
+        def cancel(self):
+            cancelled.append(self.request_id)
+
+    ingress.stream_engine = SimpleNamespace(generate=SimpleNamespace(remote=Stream))
+    return ingress, started, cancelled
+
+
+def _engine_event(text, prompt_tokens, completion_tokens, finished=False):
+    return {"text": text, "num_new_tokens": 1, "finished": finished, "finish_reason": "length" if finished else None,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": 0}
+
+
+def test_ingress_admits_a_requests_choices_together_in_order_and_totals_their_usage():
+    """Two prompts (3 and 5 tokens) × n=2: four engine requests, each giving its first event only once all four
+    have reached the engine (so admitting them one after another, each after the last one's first event, would
+    never end); the last choice finishes first, yet the choices come back in their order, with the usage of each
+    prompt counted once."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=4)})
+    all_started = asyncio.Event()
+
+    async def engine_events(payload):
+        if len(started) == 4:
+            all_started.set()
+        await all_started.wait()
+        index, prompt = int(payload["request_id"].rsplit("-", 1)[1]), len(payload["prompt_token_ids"])
+        yield _engine_event(str(index), prompt, 1)
+        for _ in range(4 - index):
+            await asyncio.sleep(0)
+        yield _engine_event("!" * (index + 1), prompt, index + 2, finished=True)
+
+    ingress, started, cancelled = _ingress(board, engine_events)
+    request = CompletionRequest(model="m", prompt=[[1, 2, 3], [4, 5, 6, 7, 8]], max_tokens=8, n=2)
+    choices = prepare(None, request, 64, 8, 16)
+
+    async def scenario():
+        events = await ingress._start_choices("c", choices, time.monotonic())
+        return await collect(events, "completion", "c", "m", num_choices=4, n=2)
+
+    body = asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    assert started == ["c-0", "c-1", "c-2", "c-3"] and cancelled == []
+    assert [(c.index, c.text) for c in body.choices] == [(0, "0!"), (1, "1!!"), (2, "2!!!"), (3, "3!!!!")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (3 + 5, 2 + 3 + 4 + 5)
+    assert board.num_reserved() == 0 and ingress.gate.num_waiting == 0
+
+
+def test_ingress_ends_every_choice_when_one_is_refused():
+    """Three choices admitted together; the engine refuses the second once all three have reached it: the request
+    gets that refusal, and the engine is told to cancel the other two, which no longer hold a reservation."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=4)})
+    all_started, never = asyncio.Event(), asyncio.Event()
+
+    async def engine_events(payload):
+        if len(started) == 3:
+            all_started.set()
+        await all_started.wait()
+        if payload["request_id"] == "c-1":
+            yield {"error": {"message": "no free slot", "type": "rate_limit_error"}, "status": 429}
+            return
+        yield _engine_event("x", 3, 1)
+        await never.wait()
+
+    ingress, started, cancelled = _ingress(board, engine_events)
+    choices = prepare(None, CompletionRequest(model="m", prompt=[[1, 2, 3]], max_tokens=8, n=3), 64, 8, 16)
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(asyncio.wait_for(ingress._start_choices("c", choices, time.monotonic()), timeout=30))
+    assert exc.value.status == 429 and started == ["c-0", "c-1", "c-2"] and sorted(cancelled) == ["c-0", "c-2"]
+    assert board.num_reserved() == 0 and ingress.gate.num_waiting == 0
 
 def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()
