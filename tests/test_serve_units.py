@@ -709,6 +709,44 @@ def test_ingress_ends_every_choice_when_one_is_refused():
     assert exc.value.status == 429 and started == ["c-0", "c-1", "c-2"] and sorted(cancelled) == ["c-0", "c-2"]
     assert board.num_reserved() == 0 and ingress.gate.num_waiting == 0
 
+def test_gate_only_the_head_of_the_line_polls_and_leaving_hands_its_turn_on(monkeypatch):
+    """r1, r2, r3 wait for the one slot r0 holds: only r1, at the head, polls for room. r1 gives up (its client
+    went away): r2 polls in its stead, r3 still does not, and the slot goes to r2, then r3."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    pollers, real_sleep = [], asyncio.sleep
+
+    async def sleep(delay, *args, **kwargs):
+        pollers.append(asyncio.current_task().get_name())
+        return await real_sleep(delay, *args, **kwargs)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    placed = []
+
+    async def admitted(request_id):
+        await gate.admit(request_id, 1, 0)
+        placed.append(request_id)
+
+    async def until(condition):
+        while not condition():
+            await real_sleep(0.01)
+
+    async def scenario():
+        await admitted("r0")
+        line = {rid: asyncio.create_task(admitted(rid), name=rid) for rid in ("r1", "r2", "r3")}
+        await until(lambda: pollers.count("r1") >= 5)
+        assert set(pollers) == {"r1"} and gate.num_waiting == 3
+        line["r1"].cancel()
+        await until(lambda: pollers.count("r2") >= 5)
+        assert set(pollers) == {"r1", "r2"} and gate.num_waiting == 2
+        gate.release("r0")
+        await line["r2"]
+        gate.release("r2")
+        await line["r3"]
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    assert placed == ["r0", "r2", "r3"] and gate.num_waiting == 0
+
 def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()
     metrics.admitted.inc()
