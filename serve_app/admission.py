@@ -231,8 +231,10 @@ class AdmissionGate:
         return math.ceil(position / slots) * sum(self._hold_s) / len(self._hold_s)
 
     def refuse_early(self) -> None:
-        """Refuse before any work on the request (tokenization) when no replica has a slot and none may wait."""
-        if self.num_waiting >= self.max_waiting and not self.board.has_free_slot():
+        """Refuse before any work on the request (tokenization) when it would have to wait and the line has no room
+        for it. It waits behind any line (first come, first placed: a free slot is the head's), else when no replica
+        has a free slot."""
+        if self.num_waiting >= self.max_waiting and (self._queue or not self.board.has_free_slot()):
             raise over_capacity(self._retry_after_s(self.num_waiting + 1))
 
     async def admit(self, request_id: str, gpu: int, host: int, keys: tuple[bytes, ...] = ()) -> str:

@@ -545,6 +545,33 @@ def test_gate_refuses_at_once_when_no_room_and_no_waiting_allowed(monkeypatch):
     assert exc.value.status == 400
 
 
+def test_gate_refuses_early_behind_a_full_line_even_with_a_free_slot():
+    """Two slots, room for one request's bytes: r2 waits for bytes with a slot free. The line (1) is full, so a new
+    request is refused before any work, although a slot is free: it could only queue behind r2. With no line
+    allowed, a free slot lets a request through to admission, and no free slot refuses it early."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=2)})
+    gate = AdmissionGate(board, max_waiting=1, max_wait_s=60.0, poll_s=0.01)
+
+    async def scenario():
+        await gate.admit("r1", GIB, 0)
+        waiter = asyncio.create_task(gate.admit("r2", GIB, 0))
+        while gate.num_waiting == 0:
+            await asyncio.sleep(0.01)
+        assert board.has_free_slot()
+        with pytest.raises(OpenAIError) as exc:
+            gate.refuse_early()
+        assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "1"
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+
+    asyncio.run(scenario())
+    no_line = AdmissionGate(board, max_waiting=0, max_wait_s=60.0)
+    no_line.refuse_early()  # r1 holds one of the two slots
+    board.update({"a": _report(GIB, slots=0, ids=["r1"])})
+    with pytest.raises(OpenAIError):
+        no_line.refuse_early()
+
 def test_gate_waits_a_bounded_time_for_room():
     board = CapacityBoard()
     board.update({"a": _report(GIB, slots=1)})
