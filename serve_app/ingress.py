@@ -30,7 +30,7 @@ from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
 from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
-from serve_app.streaming import ChunkFormatter, collect, merge, raise_if_error, sse_stream
+from serve_app.streaming import ChunkFormatter, collect, merge, per_prompt, raise_if_error, sse_stream
 from serve_app.tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize,
                               tokenize)
 
@@ -131,7 +131,7 @@ class Ingress:
         model, count, tools = self.info["model"], len(choices), choices[0].tool_family
         logprobs = LogprobFormatter(self.info["tokenizer"], request)
         if request.stream:
-            prompt_tokens = sum(len(p.prompt_token_ids) for p in choices) // request.n
+            prompt_tokens = per_prompt((len(p.prompt_token_ids) for p in choices), request.n)
             fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None,
                                  logprobs, tools)
             return StreamingResponse(sse_stream(events, fmt, request.include_usage, count, request.n),
