@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from serve_app.admission import ENDED_KEPT_S, AdmissionGate, CapacityBoard, affinity_keys
 from serve_app.autoscaling import desired_replicas
-from serve_app.engine_replica import engine_footprint
+from serve_app.engine_replica import EngineReplica, engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
 from serve_app.ingress import Ingress
 from serve_app.limits import RequestLimits
@@ -26,6 +26,7 @@ from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_st
 from serve_app.tools import HERMES
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.engine.sequence import TokenLogprob
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
 from shadowkv_core.tiny_model import build_tiny_model
 
 GIB = 1 << 30
@@ -432,6 +433,25 @@ def test_footprint_is_exactly_what_the_engine_reserves(tiny_model, shadowkv):
         for max_tokens in (1, 16, 100):
             assert footprint.predict(prompt_len, max_tokens) == engine.footprint(prompt_len, max_tokens)
 
+
+def test_replica_health_asks_the_engine_whatever_its_kind(tiny_model):
+    """A replica is unhealthy when its engine says so, through the one check every engine has."""
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica._loop_task = replica._step_started = None
+    replica.engine = LLMEngine(EngineConfig(model=tiny_model, gpu_cache_gib=0.02, host_cache_gib=0.02))
+    replica.check_health()
+    broken = object.__new__(TensorParallelEngine)  # rank 0 of a group whose rank 1 has gone
+    broken.error = "shadowkv-tp-rank1 exited"
+    replica.engine = broken
+    with pytest.raises(RuntimeError, match="a tensor-parallel rank failed: shadowkv-tp-rank1 exited"):
+        replica.check_health()
+
+    class LostDevice:  # any other engine
+        def check_health(self):
+            raise RuntimeError("device lost")
+    replica.engine = LostDevice()
+    with pytest.raises(RuntimeError, match="device lost"):
+        replica.check_health()
 
 def test_board_places_best_fit_and_tracks_reservations_between_reports():
     board = CapacityBoard()
