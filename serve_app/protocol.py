@@ -318,6 +318,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _choice_needs_tools(self):
+        if isinstance(self.tool_choice, NamedToolChoice) and not self.tool_choice.function.name:
+            raise ValueError("tool_choice.function.name: must not be empty")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice: names a call but the request has no tools")
         return self

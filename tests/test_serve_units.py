@@ -127,6 +127,12 @@ def test_chat_content_takes_text_parts_joined(schema_api):
      "messages.0.content", "'image_url'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages.0.content", "text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                           {"role": "user"}]}, "messages.2.content", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": ""}}},
+     "tool_choice.function.name", "must not be empty"),
 ])
 def test_malformed_shapes_get_a_short_message_naming_the_field(schema_api, path, body, param, words):
     r = schema_api.post(path, json={"model": "m", **body})
