@@ -209,7 +209,7 @@ class AdmissionGate:
                  clock: Callable[[], float] = time.monotonic):
         self.board, self.max_waiting, self.max_wait_s, self.poll_s = board, max_waiting, max_wait_s, poll_s
         self.clock = clock  # times how long requests hold their slots
-        self._queue: collections.deque[str] = collections.deque()
+        self._queue: dict[str, asyncio.Event] = {}  # the waiting line, in arrival order: each one's turn to poll
         self._admitted_at: dict[str, float] = {}
         self._hold_s = collections.deque(maxlen=HOLD_TIMES_KEPT)  # slot hold times of the last requests to end
 
@@ -231,8 +231,10 @@ class AdmissionGate:
         return math.ceil(position / slots) * sum(self._hold_s) / len(self._hold_s)
 
     def refuse_early(self) -> None:
-        """Refuse before any work on the request (tokenization) when no replica has a slot and none may wait."""
-        if self.num_waiting >= self.max_waiting and not self.board.has_free_slot():
+        """Refuse before any work on the request (tokenization) when it would have to wait and the line has no room
+        for it. It waits behind any line (first come, first placed: a free slot is the head's), else when no replica
+        has a free slot."""
+        if self.num_waiting >= self.max_waiting and (self._queue or not self.board.has_free_slot()):
             raise over_capacity(self._retry_after_s(self.num_waiting + 1))
 
     async def admit(self, request_id: str, gpu: int, host: int, keys: tuple[bytes, ...] = ()) -> str:
@@ -270,15 +272,20 @@ class AdmissionGate:
         return 1.0 if predicted is None else predicted
 
     async def _wait_for_room(self, request_id: str, gpu: int, host: int, keys: tuple[bytes, ...]) -> str:
-        """Polls for room, only at the head of the line, so requests are placed in the order they came."""
-        self._queue.append(request_id)
+        """Waits in line for room: only the head polls, the others wait for their turn (the head leaving, placed or
+        not, hands it on), so requests are placed in the order they came."""
+        turn = self._queue[request_id] = asyncio.Event()
+        if len(self._queue) == 1:
+            turn.set()
         try:
-            deadline = time.monotonic() + self.max_wait_s
-            while time.monotonic() < deadline:
-                await asyncio.sleep(self.poll_s)
-                replica = self.board.place(request_id, gpu, host, keys=keys) if self._queue[0] == request_id else None
-                if replica is not None:
-                    return replica
-            raise over_capacity(self._retry_after_s(self.num_waiting))
+            async with asyncio.timeout(self.max_wait_s):
+                await turn.wait()
+                while (replica := self.board.place(request_id, gpu, host, keys=keys)) is None:
+                    await asyncio.sleep(self.poll_s)
+                return replica
+        except TimeoutError:
+            raise over_capacity(self._retry_after_s(self.num_waiting)) from None
         finally:
-            self._queue.remove(request_id)
+            del self._queue[request_id]
+            if self._queue:
+                next(iter(self._queue.values())).set()

@@ -166,8 +166,7 @@ class EngineReplica:
             raise RuntimeError(f"the engine step loop has stopped: {self._loop_task.exception()!r}")
         if self._step_started is not None and time.monotonic() - self._step_started > UNHEALTHY_AFTER_S:
             raise RuntimeError(f"an engine step has run for more than {UNHEALTHY_AFTER_S:.0f} s")
-        if isinstance(self.engine, TensorParallelEngine) and self.engine.error is not None:
-            raise RuntimeError(f"a tensor-parallel rank failed: {self.engine.error}")  # Serve replaces the replica
+        self.engine.check_health()  # raises if the engine broke (a tensor-parallel rank): Serve replaces the replica
 
     # ---- the step loop ---------------------------------------------------------------------------------------
     def _refusal(self, request_id: str) -> dict | None:

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("ray.serve")
-_FIELD_PREFIX = re.compile(r"^(\w+):")
+# A message that names its field first: "tools: ...", "tool_choice.function.name: ..."
+_FIELD_PREFIX = re.compile(r"^(\w+(?:\.\w+)*):")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is_instance"}
 
 
@@ -75,12 +76,13 @@ def _field_path(loc: tuple) -> str | None:
 
 def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     first = exc.errors()[0] if exc.errors() else {}
-    param = _field_path(tuple(first.get("loc", ())))
+    path = _field_path(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if param is None:  # a check of the whole body names its field first ("tools: ...")
-        named = _FIELD_PREFIX.match(message)
-        return (named.group(1) if named else None), message
-    return param, f"{param}: {message}"
+    named = _FIELD_PREFIX.match(message)
+    if named:  # a check of a whole object (the body, a message) names the offending field inside it first
+        param = ".".join(part for part in (path, named.group(1)) if part)
+        return param, param + message[named.end(1):]
+    return path, message if path is None else f"{path}: {message}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -8,16 +8,19 @@ import asyncio
 import importlib.metadata
 import logging
 import time
+import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.admission import AdmissionGate, Footprint, affinity_keys, board_for
+from serve_app.admission import AdmissionGate, Footprint, board_for
 from serve_app.edge import CapacityAdvert, CapacitySource
 from serve_app.errors import OpenAIError, error_event, install_error_handlers, not_ready
 from serve_app.limits import RequestLimits, timed_out, until_deadline
@@ -27,7 +30,7 @@ from serve_app.prepare import prepare
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                 new_request_id)
 from serve_app.security import METRICS_PATH, OPEN_PATHS, GuardSettings, RequestGuard, load_api_keys
-from serve_app.streaming import ChunkFormatter, collect, merge, raise_if_error, sse_stream
+from serve_app.streaming import ChunkFormatter, collect, merge, per_prompt, raise_if_error, sse_stream
 from serve_app.tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize,
                               tokenize)
 
@@ -121,14 +124,14 @@ class Ingress:
         self.limits.check_request(request)
         self._refuse_early()
         choices = await asyncio.to_thread(prepare, self.info["tokenizer"], request, self.info["max_model_len"],
-                                          self.default_max_tokens)
+                                          self.default_max_tokens, self.footprint.block_size)
         for prepared in choices:
             self.limits.check_prompt(len(prepared.prompt_token_ids))
         events = await self._start_choices(request_id, choices, arrived)
         model, count, tools = self.info["model"], len(choices), choices[0].tool_family
         logprobs = LogprobFormatter(self.info["tokenizer"], request)
         if request.stream:
-            prompt_tokens = sum(len(p.prompt_token_ids) for p in choices) // request.n
+            prompt_tokens = per_prompt((len(p.prompt_token_ids) for p in choices), request.n)
             fmt = ChunkFormatter(kind, request_id, model, prompt_tokens if request.continuous_usage else None,
                                  logprobs, tools)
             return StreamingResponse(sse_stream(events, fmt, request.include_usage, count, request.n),
@@ -136,24 +139,33 @@ class Ingress:
         return await collect(events, kind, request_id, model, count, request.n, request.candidates, logprobs, tools)
 
     async def _start_choices(self, request_id: str, choices: list, arrived: float) -> AsyncIterator[dict]:
-        """Admit each choice as an engine request of its own and wait for its first event; a refusal of any one
-        ends those already started. -> their events merged, tagged with each choice's index."""
-        firsts, streams = [], []
+        """Admit every choice at once, each as an engine request of its own, and wait for their first events; a
+        refusal of any one ends the others, started or still waiting. -> their events merged, tagged with each
+        choice's index."""
+        engine_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        tasks = [asyncio.ensure_future(self._start(engine_id, prepared, arrived))
+                 for engine_id, prepared in zip(engine_ids, choices)]
         try:
-            for i, prepared in enumerate(choices):
-                engine_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
-                gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
-                keys = await asyncio.to_thread(affinity_keys, prepared.prompt_token_ids, self.footprint.block_size)
-                await self._admit(engine_id, gpu, host, keys)
-                events = self._events(engine_id, prepared, gpu, host, keys, arrived)
-                first = await self._first_event(events)  # on failure it closes `events` itself
-                firsts.append(prepared.echoed(first))
-                streams.append(events)
+            started = await asyncio.gather(*tasks)
         except BaseException:
-            for events in streams:
-                await events.aclose()
+            for task in tasks:
+                task.cancel()
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(outcome, tuple):
+                    await outcome[1].aclose()
             raise
-        return merge(firsts, streams)
+        return merge([first for first, _ in started], [events for _, events in started])
+
+    async def _start(self, engine_id: str, prepared, arrived: float) -> tuple[dict, AsyncIterator[dict]]:
+        """One choice admitted and started: (its first event, echo included; its events). Runs in a task of its own,
+        under a Serve request id of its own: Serve's router tracks a call by its parent request's internal id, so
+        calls of one request in flight at once would collide there (one of them never sent)."""
+        context = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(replace(context, _internal_request_id=uuid.uuid4().hex))
+        gpu, host = self.footprint.predict(len(prepared.prompt_token_ids), prepared.params.max_tokens)
+        await self._admit(engine_id, gpu, host, prepared.affinity)
+        events = self._events(engine_id, prepared, gpu, host, arrived)
+        return prepared.echoed(await self._first_event(events)), events  # on failure it closes `events` itself
 
     def _refuse_early(self) -> None:
         try:
@@ -170,12 +182,11 @@ class Ingress:
             raise
         self.metrics.admitted.inc()
 
-    async def _events(self, request_id: str, prepared, gpu: int, host: int, keys: tuple[bytes, ...],
-                      arrived: float) -> AsyncIterator[dict]:
+    async def _events(self, request_id: str, prepared, gpu: int, host: int, arrived: float) -> AsyncIterator[dict]:
         """The replica's events for one request; records TTFT and inter-token latency, and on any exit (done,
         error, client gone, deadline) cancels the replica-side generator and drops the reservation."""
         payload = {"request_id": request_id, "prompt_token_ids": prepared.prompt_token_ids,
-                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host, "affinity": keys}
+                   "params": prepared.params, "gpu_bytes": gpu, "host_bytes": host, "affinity": prepared.affinity}
         stream = self.stream_engine.generate.remote(payload)
         last, finished = None, False
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from serve_app.admission import affinity_keys
 from serve_app.errors import context_length_exceeded, invalid_field
 from serve_app.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from serve_app.structured import guided_decoding
@@ -22,6 +23,7 @@ class Prepared:
     echo: str = ""  # text sent before the answer: the prompt, for a completion with echo
     echo_logprobs: bool = False  # with echo and logprobs, the prompt's tokens and logprobs come before the answer's
     tool_family: str | None = None  # the output is parsed into tool calls in this format (serve_app/tools.py)
+    affinity: tuple[bytes, ...] = ()  # the prompt's prefix-affinity keys (serve_app/admission.py), for placement
 
     def echoed(self, first: dict) -> dict:
         """The choice's first event with its echo before it: the prompt's text and, with echo_logprobs, its tokens
@@ -123,9 +125,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         raise invalid_field(named.group(1) if named else "request", str(exc)) from exc
 
 
-def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> list[Prepared]:
+def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int, block_size: int) -> list[Prepared]:
     """One Prepared per choice, n (best_of: best_of candidates) per prompt in the prompts' order (OpenAI's choice
-    indices). Blocking (tokenization of a long prompt): the ingress runs it in a worker thread."""
+    indices); a prompt's choices share its affinity keys, on the engine's `block_size`. Blocking (tokenization and
+    hashing of a long prompt): the ingress runs it in a worker thread."""
     num_prompts = len(request.prompt) if isinstance(request, CompletionRequest) else 1
     per_prompt, name = request.candidates, "n" if request.candidates == request.n else "best_of"
     if num_prompts * per_prompt > MAX_CHOICES:
@@ -141,7 +144,9 @@ def prepare(tokenizer, request, max_model_len: int, default_max_tokens: int) -> 
         params = sampling_params(request, max_tokens_of(request, len(token_ids), max_model_len, default_max_tokens),
                                  guided)
         seeds = [None if params.seed is None else params.seed + j for j in range(per_prompt)]  # distinct draws
-        prepared += [Prepared(token_ids, replace(params, seed=seed), echo, echo_logprobs, family) for seed in seeds]
+        keys = affinity_keys(token_ids, block_size)
+        prepared += [Prepared(token_ids, replace(params, seed=seed), echo, echo_logprobs, family, keys)
+                     for seed in seeds]
     return prepared
 
 

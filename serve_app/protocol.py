@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shadowkv_core.engine.sampling import MAX_LOGPROBS
+from shadowkv_core.engine.sampling import MAX_LOGPROBS, is_int
 from shadowkv_core.engine.text import is_unicode_text
 
 MAX_STOP_STRINGS = 4
@@ -50,15 +50,11 @@ def _unicode_text(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _prompt_list(prompt):
     """A prompt in any of OpenAI's four shapes -> a list of prompts, each text or token ids (a batch: one choice
     each), every one checked here so that a refusal names what is wrong rather than a union member's type."""
     prompts = [prompt] if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)) else prompt
+        isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)) else prompt
     if not isinstance(prompts, list) or not prompts or not (
             all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts)):
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
@@ -67,7 +63,7 @@ def _prompt_list(prompt):
             raise ValueError("a prompt must not be empty")
         if isinstance(p, str):
             _unicode_text(p)
-        elif not all(_is_int(t) and t >= 0 for t in p):
+        elif not all(is_int(t) and t >= 0 for t in p):
             raise ValueError("token ids must be integers >= 0")
     return prompts
 
@@ -322,6 +318,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _choice_needs_tools(self):
+        if isinstance(self.tool_choice, NamedToolChoice) and not self.tool_choice.function.name:
+            raise ValueError("tool_choice.function.name: must not be empty")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice: names a call but the request has no tools")
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Iterable, Literal
 
 from pydantic import BaseModel
 
@@ -67,6 +67,12 @@ async def merge(firsts: list[dict], streams: list[AsyncIterator[dict]]) -> Async
             await stream.aclose()
 
 
+def per_prompt(counts: Iterable[int], n: int) -> int:
+    """A count summed over choices that share their prompt `n` at a time, with each prompt counted once: its prompt
+    tokens, or its cached tokens as a mean over those n."""
+    return sum(counts) // n
+
+
 class ChoiceTotals:
     """A request's usage over its choices: each prompt counted once (its n choices share it), and its cached tokens
     as a mean over those n; completion tokens summed."""
@@ -85,9 +91,11 @@ class ChoiceTotals:
     def completion_tokens(self) -> int:
         return sum(self.completion.values())
 
-    def usage(self) -> Usage:
-        return Usage.of(sum(self.prompt.values()) // self.n, self.completion_tokens,
-                        sum(self.cached.values()) // self.n)
+    def usage(self, kept: Iterable[int] | None = None) -> Usage:
+        """The usage of the choices of index in `kept` (default all), n of them per prompt."""
+        kept = list(self.prompt) if kept is None else kept
+        return Usage.of(per_prompt((self.prompt[i] for i in kept), self.n), sum(self.completion[i] for i in kept),
+                        per_prompt((self.cached[i] for i in kept), self.n))
 
 
 class ChunkFormatter:
@@ -211,7 +219,7 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
     best first (as vLLM), and the usage counts those. With `tool_family`, each chat choice's text is parsed into
     content and tool calls."""
     candidates = candidates or n
-    choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(candidates)
+    choices, totals = [_Choice() for _ in range(num_choices)], ChoiceTotals(n)
     async with contextlib.aclosing(events):  # an error ends every choice's engine request at once
         async for event in events:
             raise_if_error(event)
@@ -223,8 +231,7 @@ async def collect(events: AsyncIterator[dict], kind: Kind, request_id: str, mode
     for start in range(0, num_choices, candidates):
         ids = range(start, start + candidates)
         kept += sorted(ids, key=lambda i: -choices[i].cumulative_logprob)[:n] if candidates > n else ids
-    usage = Usage.of(sum(totals.prompt[i] for i in kept) // n, sum(totals.completion[i] for i in kept),
-                     sum(totals.cached[i] for i in kept) // n)
+    usage = totals.usage(kept)
     fmt = logprobs if logprobs is not None and logprobs.top is not None else None
     out = [choices[i] for i in kept]
     if kind == "chat":

@@ -185,7 +185,8 @@ def forced_call(family: str, tools: list[dict], choice) -> GuidedDecoding | None
     else:
         chosen = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
         if not chosen:
-            raise invalid_field("tool_choice", f"tool_choice: no tool named {choice['function']['name']!r} in tools")
+            raise invalid_field("tool_choice.function.name", f"tool_choice.function.name: no tool named "
+                                                             f"{choice['function']['name']!r} in tools")
     schemas = [_call_schema(family, t) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     call = "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})

@@ -98,6 +98,7 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(served):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == tokenizer("The quick brown fox")["input_ids"]
+    assert set(body) == {"count", "max_model_len", "tokens"}  # vLLM's token_strs only with return_token_strs
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
     chat = [{"role": "user", "content": "The quick brown fox"}]
     r = httpx.post(f"{url}/tokenize", json={"messages": chat})  # the chat template's rendering, as chat sends it

@@ -121,7 +121,8 @@ def test_regex_and_grammar(client, body, pattern):
     ("/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "tool_choice": "required",
                               "guided_regex": "a"}, "guided_regex"),
     ("/v1/chat/completions", {"messages": USER, "tools": [WEATHER],
-                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
 ])
 def test_refusals_name_the_field(url, client, path, body, param):

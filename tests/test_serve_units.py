@@ -12,8 +12,10 @@ from pydantic import ValidationError
 
 from serve_app.admission import ENDED_KEPT_S, AdmissionGate, CapacityBoard, affinity_keys
 from serve_app.autoscaling import desired_replicas
-from serve_app.engine_replica import engine_footprint
+from serve_app.engine_replica import EngineReplica, engine_footprint
 from serve_app.errors import OpenAIError, context_length_exceeded, install_error_handlers, over_capacity
+from serve_app.ingress import Ingress
+from serve_app.limits import RequestLimits
 from serve_app.logprobs import LogprobFormatter
 from serve_app.metrics import ServiceMetrics
 from serve_app.prepare import logprobs_of, prepare
@@ -24,6 +26,7 @@ from serve_app.streaming import SSE_DONE, ChunkFormatter, collect, merge, sse_st
 from serve_app.tools import HERMES
 from shadowkv_core import EngineConfig, LLMEngine, ShadowKVConfig
 from shadowkv_core.engine.sequence import TokenLogprob
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
 from shadowkv_core.tiny_model import build_tiny_model
 
 GIB = 1 << 30
@@ -124,6 +127,12 @@ def test_chat_content_takes_text_parts_joined(schema_api):
      "messages.0.content", "'image_url'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages.0.content", "text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                           {"role": "user"}]}, "messages.2.content", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": ""}}},
+     "tool_choice.function.name", "must not be empty"),
 ])
 def test_malformed_shapes_get_a_short_message_naming_the_field(schema_api, path, body, param, words):
     r = schema_api.post(path, json={"model": "m", **body})
@@ -382,14 +391,28 @@ def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob_and_coun
     assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (2, 3)
 
 
+def test_prepare_hashes_each_prompt_once_for_its_affinity_keys(monkeypatch):
+    """Two prompts of two full blocks, n=3: one hashing per prompt, shared by that prompt's three choices."""
+    hashed = []
+
+    def counted(token_ids, block_size):
+        hashed.append(list(token_ids))
+        return affinity_keys(token_ids, block_size)
+    monkeypatch.setattr("serve_app.prepare.affinity_keys", counted)
+    first, second = list(range(32)), list(range(100, 132))
+    choices = prepare(None, CompletionRequest(model="m", prompt=[first, second], max_tokens=2, n=3), 64, 8, 16)
+    assert hashed == [first, second]
+    assert [c.affinity for c in choices] == [affinity_keys(first, 16)] * 3 + [affinity_keys(second, 16)] * 3
+    assert len(choices[0].affinity) == 2 and choices[0].affinity != choices[3].affinity
+
 def test_prepare_asks_the_engine_for_what_logprobs_best_of_and_echo_need():
     tokenizer = None  # prompts of token ids
     ids = [5, 6, 7]
-    plain, = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2), 64, 8)
+    plain, = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2), 64, 8, 16)
     assert (plain.params.logprobs, plain.params.prompt_logprobs) == (None, None)
-    best = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2, n=2, best_of=3), 64, 8)
+    best = prepare(tokenizer, CompletionRequest(model="m", prompt=[ids], max_tokens=2, n=2, best_of=3), 64, 8, 16)
     assert len(best) == 3 and {p.params.logprobs for p in best} == {0}
-    echo, = prepare(LETTERS, CompletionRequest(model="m", prompt=[ids], max_tokens=2, echo=True, logprobs=3), 64, 8)
+    echo, = prepare(LETTERS, CompletionRequest(model="m", prompt=[ids], max_tokens=2, echo=True, logprobs=3), 64, 8, 16)
     assert (echo.params.logprobs, echo.params.prompt_logprobs) == (3, 3)
     first = {"text": "i", "token_ids": [8], "logprobs": [_lp(8, -1.0)], "prompt_logprobs": [None, _lp(6, -2.0),
                                                                                               _lp(7, -2.0)]}
@@ -416,6 +439,25 @@ def test_footprint_is_exactly_what_the_engine_reserves(tiny_model, shadowkv):
         for max_tokens in (1, 16, 100):
             assert footprint.predict(prompt_len, max_tokens) == engine.footprint(prompt_len, max_tokens)
 
+
+def test_replica_health_asks_the_engine_whatever_its_kind(tiny_model):
+    """A replica is unhealthy when its engine says so, through the one check every engine has."""
+    replica = object.__new__(EngineReplica.func_or_class)
+    replica._loop_task = replica._step_started = None
+    replica.engine = LLMEngine(EngineConfig(model=tiny_model, gpu_cache_gib=0.02, host_cache_gib=0.02))
+    replica.check_health()
+    broken = object.__new__(TensorParallelEngine)  # rank 0 of a group whose rank 1 has gone
+    broken.error = "shadowkv-tp-rank1 exited"
+    replica.engine = broken
+    with pytest.raises(RuntimeError, match="a tensor-parallel rank failed: shadowkv-tp-rank1 exited"):
+        replica.check_health()
+
+    class LostDevice:  # any other engine
+        def check_health(self):
+            raise RuntimeError("device lost")
+    replica.engine = LostDevice()
+    with pytest.raises(RuntimeError, match="device lost"):
+        replica.check_health()
 
 def test_board_places_best_fit_and_tracks_reservations_between_reports():
     board = CapacityBoard()
@@ -529,6 +571,33 @@ def test_gate_refuses_at_once_when_no_room_and_no_waiting_allowed(monkeypatch):
     assert exc.value.status == 400
 
 
+def test_gate_refuses_early_behind_a_full_line_even_with_a_free_slot():
+    """Two slots, room for one request's bytes: r2 waits for bytes with a slot free. The line (1) is full, so a new
+    request is refused before any work, although a slot is free: it could only queue behind r2. With no line
+    allowed, a free slot lets a request through to admission, and no free slot refuses it early."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=2)})
+    gate = AdmissionGate(board, max_waiting=1, max_wait_s=60.0, poll_s=0.01)
+
+    async def scenario():
+        await gate.admit("r1", GIB, 0)
+        waiter = asyncio.create_task(gate.admit("r2", GIB, 0))
+        while gate.num_waiting == 0:
+            await asyncio.sleep(0.01)
+        assert board.has_free_slot()
+        with pytest.raises(OpenAIError) as exc:
+            gate.refuse_early()
+        assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "1"
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+
+    asyncio.run(scenario())
+    no_line = AdmissionGate(board, max_waiting=0, max_wait_s=60.0)
+    no_line.refuse_early()  # r1 holds one of the two slots
+    board.update({"a": _report(GIB, slots=0, ids=["r1"])})
+    with pytest.raises(OpenAIError):
+        no_line.refuse_early()
+
 def test_gate_waits_a_bounded_time_for_room():
     board = CapacityBoard()
     board.update({"a": _report(GIB, slots=1)})
@@ -604,6 +673,132 @@ def test_gate_places_the_line_first_come_first_placed():
     asyncio.run(scenario())
     assert placed == ["r0", "r1", "r2", "r3"]
 
+
+def _ingress(board, engine_events):
+    """An Ingress without Ray: its gate on `board`, an engine whose request streams `engine_events(payload)`.
+    -> (the ingress, the engine request ids in the order they reached the engine, those it was told to cancel)."""
+    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # the class as written, without Serve's ASGI wrapper
+    ingress.gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    ingress.footprint = SimpleNamespace(predict=lambda prompt_len, max_tokens: (1, 0), block_size=16)
+    ingress.metrics, ingress.limits = ServiceMetrics(), RequestLimits()
+    started, cancelled = [], []
+
+    class Stream:
+        def __init__(self, payload):
+            self.request_id = payload["request_id"]
+            started.append(self.request_id)
+            self.events = engine_events(payload)
+
+        def __aiter__(self):
+            return self.events
+
+        def cancel(self):
+            cancelled.append(self.request_id)
+
+    ingress.stream_engine = SimpleNamespace(generate=SimpleNamespace(remote=Stream))
+    return ingress, started, cancelled
+
+
+def _engine_event(text, prompt_tokens, completion_tokens, finished=False):
+    return {"text": text, "num_new_tokens": 1, "finished": finished, "finish_reason": "length" if finished else None,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": 0}
+
+
+def test_ingress_admits_a_requests_choices_together_in_order_and_totals_their_usage():
+    """Two prompts (3 and 5 tokens) × n=2: four engine requests, each giving its first event only once all four
+    have reached the engine (so admitting them one after another, each after the last one's first event, would
+    never end); the last choice finishes first, yet the choices come back in their order, with the usage of each
+    prompt counted once."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=4)})
+    all_started = asyncio.Event()
+
+    async def engine_events(payload):
+        if len(started) == 4:
+            all_started.set()
+        await all_started.wait()
+        index, prompt = int(payload["request_id"].rsplit("-", 1)[1]), len(payload["prompt_token_ids"])
+        yield _engine_event(str(index), prompt, 1)
+        for _ in range(4 - index):
+            await asyncio.sleep(0)
+        yield _engine_event("!" * (index + 1), prompt, index + 2, finished=True)
+
+    ingress, started, cancelled = _ingress(board, engine_events)
+    request = CompletionRequest(model="m", prompt=[[1, 2, 3], [4, 5, 6, 7, 8]], max_tokens=8, n=2)
+    choices = prepare(None, request, 64, 8, 16)
+
+    async def scenario():
+        events = await ingress._start_choices("c", choices, time.monotonic())
+        return await collect(events, "completion", "c", "m", num_choices=4, n=2)
+
+    body = asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    assert started == ["c-0", "c-1", "c-2", "c-3"] and cancelled == []
+    assert [(c.index, c.text) for c in body.choices] == [(0, "0!"), (1, "1!!"), (2, "2!!!"), (3, "3!!!!")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens) == (3 + 5, 2 + 3 + 4 + 5)
+    assert board.num_reserved() == 0 and ingress.gate.num_waiting == 0
+
+
+def test_ingress_ends_every_choice_when_one_is_refused():
+    """Three choices admitted together; the engine refuses the second once all three have reached it: the request
+    gets that refusal, and the engine is told to cancel the other two, which no longer hold a reservation."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=4)})
+    all_started, never = asyncio.Event(), asyncio.Event()
+
+    async def engine_events(payload):
+        if len(started) == 3:
+            all_started.set()
+        await all_started.wait()
+        if payload["request_id"] == "c-1":
+            yield {"error": {"message": "no free slot", "type": "rate_limit_error"}, "status": 429}
+            return
+        yield _engine_event("x", 3, 1)
+        await never.wait()
+
+    ingress, started, cancelled = _ingress(board, engine_events)
+    choices = prepare(None, CompletionRequest(model="m", prompt=[[1, 2, 3]], max_tokens=8, n=3), 64, 8, 16)
+    with pytest.raises(OpenAIError) as exc:
+        asyncio.run(asyncio.wait_for(ingress._start_choices("c", choices, time.monotonic()), timeout=30))
+    assert exc.value.status == 429 and started == ["c-0", "c-1", "c-2"] and sorted(cancelled) == ["c-0", "c-2"]
+    assert board.num_reserved() == 0 and ingress.gate.num_waiting == 0
+
+def test_gate_only_the_head_of_the_line_polls_and_leaving_hands_its_turn_on(monkeypatch):
+    """r1, r2, r3 wait for the one slot r0 holds: only r1, at the head, polls for room. r1 gives up (its client
+    went away): r2 polls in its stead, r3 still does not, and the slot goes to r2, then r3."""
+    board = CapacityBoard()
+    board.update({"a": _report(GIB, slots=1)})
+    gate = AdmissionGate(board, max_waiting=8, max_wait_s=60.0, poll_s=0.01)
+    pollers, real_sleep = [], asyncio.sleep
+
+    async def sleep(delay, *args, **kwargs):
+        pollers.append(asyncio.current_task().get_name())
+        return await real_sleep(delay, *args, **kwargs)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    placed = []
+
+    async def admitted(request_id):
+        await gate.admit(request_id, 1, 0)
+        placed.append(request_id)
+
+    async def until(condition):
+        while not condition():
+            await real_sleep(0.01)
+
+    async def scenario():
+        await admitted("r0")
+        line = {rid: asyncio.create_task(admitted(rid), name=rid) for rid in ("r1", "r2", "r3")}
+        await until(lambda: pollers.count("r1") >= 5)
+        assert set(pollers) == {"r1"} and gate.num_waiting == 3
+        line["r1"].cancel()
+        await until(lambda: pollers.count("r2") >= 5)
+        assert set(pollers) == {"r1", "r2"} and gate.num_waiting == 2
+        gate.release("r0")
+        await line["r2"]
+        gate.release("r2")
+        await line["r3"]
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    assert placed == ["r0", "r2", "r3"] and gate.num_waiting == 0
 
 def test_metrics_render_prometheus_text():
     metrics = ServiceMetrics()

@@ -359,6 +359,10 @@ class LLMEngine:
         """Drop every cached prefix no running request holds (their blocks return to the pools); how many blocks."""
         return self.cache.manager.clear_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raises when the engine can serve no more (tensor_parallel.py's can break); this one fails a request, never
+        itself."""
+
     def close(self) -> None:
         """Abort everything and release the caches (pinned host memory included)."""
         for request_id in list(self.requests):

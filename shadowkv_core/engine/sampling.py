@@ -13,7 +13,8 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int, not a bool (JSON's true is no token id, no count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -54,28 +55,28 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
 
     def __post_init__(self):
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"must be an integer >= 1, got {self.max_tokens!r}")
         _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
                and math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
+        _check(self.seed is None or is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check(_is_number(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)!r}")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                f"must be a number > 0, got {self.repetition_penalty!r}")
-        _check(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in dict(self.logit_bias).items()), "logit_bias",
+        _check(all(is_int(t) and t >= 0 and _is_number(b) for t, b in dict(self.logit_bias).items()), "logit_bias",
                "must map token ids (integers >= 0) to finite numbers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+            _check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                    f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         _check(self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
                f"must be a GuidedDecoding, got {self.guided!r}")
@@ -85,7 +86,7 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         stop_ids = tuple(self.stop_token_ids)
-        _check(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "must be integers >= 0")
+        _check(all(is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "must be integers >= 0")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_ids)
 

@@ -110,6 +110,10 @@ class TensorParallelEngine:
         self._end_workers()
         return outputs
 
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a tensor-parallel rank failed: {self.error}")
+
     def close(self) -> None:
         if self.error is None:
             for request_id in list(self.engine.requests):
