@@ -15,3 +15,30 @@ def online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, v_scal
     w = p if v_scale is None else p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def to_e4m3(x, EMULATE: tl.constexpr):
+    """fp32 x, |x| <= 448 -> float8_e4m3fn, rounded to nearest even. EMULATE (Triton's interpreter, whose cast loses
+    the carry of its rounding): round on the e4m3 grid in fp32 first, so that the cast is exact."""
+    if EMULATE:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        subnormal = (x + 24576.0) - 24576.0  # multiples of 2**-9, e4m3's spacing below 2**-6
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, EMULATE: tl.constexpr):
+    """online_softmax_step with fp8 values v (N, d) e4m3 and their scales v_scale (N,), the weights times the scales
+    taken to e4m3 for an fp8 dot (FlashAttention-3's recipe): each block's weights are scaled to [0, 256] by its
+    largest value scale, so that e4m3's range holds them, and the dot's (M, d) product is scaled back."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vs_max = tl.max(v_scale, 0)  # > 0: a block holds a valid key, and the cache's scales are positive
+    w = to_e4m3(p * (v_scale / vs_max * 256.0)[None, :], EMULATE)
+    acc = acc * alpha[:, None] + tl.dot(w, v) * (vs_max / 256.0)
+    return acc, m_new, l_i
