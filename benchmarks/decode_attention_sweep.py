@@ -5,7 +5,9 @@
 Variants (VARIANTS): the bf16 pool; the fp8 pool as the dense cache stores it (scales (rows, Hkv), the baseline);
 its scales stored (Hkv, rows) (one coalesced load per block instead of a 4-byte gather per key); one scale per
 (page, KV head) (the ceiling of coarser scales: the cache's writer quantises per token, so this pool is quantised per
-page here); e4m3 dots for q·k, and for p·v too (decode_attention's fp8_dots), alone and with the other layouts.
+page here); e4m3 dots for q·k, and for p·v too (decode_attention's fp8_dots); the dots keys-major (its keys_major:
+M = block_n or head_dim, which Hopper's wgmma takes, natively in e4m3, where the GQA group's 16 rows it does not),
+alone and with e4m3 dots and the (Hkv, rows) scales.
 Each variant's launches: block_n x programs per SM at num_warps 4 and Triton's default num_stages, then num_warps x
 num_stages at its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
 pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, TOLERANCE; rel_err: the
@@ -43,16 +45,18 @@ from shadowkv_core.shadowkv.reference import quantize_values  # noqa: E402
 
 PAGE = 16
 # name -> (pool: "bf16", "token" (one scale per token and KV head) or "page" (per page and KV head), scales stored
-# (Hkv, rows or pages) instead of (rows or pages, Hkv), decode_attention's fp8_dots)
+# (Hkv, rows or pages) instead of (rows or pages, Hkv), decode_attention's fp8_dots, its keys_major)
 VARIANTS = {
-    "bf16": ("bf16", False, 0),
-    "fp8": ("token", False, 0),
-    "fp8_head_major": ("token", True, 0),
-    "fp8_page_scales": ("page", True, 0),
-    "fp8_qk": ("token", False, 1),
-    "fp8_qk_pv": ("token", False, 2),
-    "fp8_qk_pv_head_major": ("token", True, 2),
-    "fp8_qk_pv_page_scales": ("page", True, 2),
+    "bf16": ("bf16", False, 0, False),
+    "fp8": ("token", False, 0, False),
+    "fp8_head_major": ("token", True, 0, False),
+    "fp8_page_scales": ("page", True, 0, False),
+    "fp8_qk": ("token", False, 1, False),
+    "fp8_qk_pv": ("token", False, 2, False),
+    "fp8_keys_major": ("token", False, 0, True),
+    "fp8_qk_keys_major": ("token", False, 1, True),
+    "fp8_qk_pv_keys_major": ("token", False, 2, True),
+    "fp8_qk_pv_keys_major_head_major": ("token", True, 2, True),
 }
 # max |difference| over max |reference| allowed, by fp8_dots: q (and the weights) in e4m3, 3 mantissa bits
 TOLERANCE = {0: 2e-2, 1: 1e-1, 2: 1e-1}
@@ -76,7 +80,7 @@ class Pools:
         self.batch, self.ctx, self.Hkv, self.d = batch, ctx, Hkv, d
 
     def kwargs(self, variant: str) -> dict:
-        pool, head_major, fp8_dots = VARIANTS[variant]
+        pool, head_major, fp8_dots, keys_major = VARIANTS[variant]
         if pool == "bf16":
             return dict(segments=[(self.k.permute(1, 0, 2)[None], self.v.permute(1, 0, 2)[None], self.lens)])
         (k8, ks), (v8, vs) = self.fp8[pool]
@@ -85,7 +89,8 @@ class Pools:
         else:
             ks, vs = ks.T, vs.T
         return dict(segments=[(k8.permute(1, 0, 2)[None], v8.permute(1, 0, 2)[None], self.lens)],
-                    scales=(ks[None], vs[None]), page_scales=pool == "page", fp8_dots=fp8_dots)
+                    scales=(ks[None], vs[None]), page_scales=pool == "page", fp8_dots=fp8_dots,
+                    keys_major=keys_major)
 
     def reference(self, variant: str, n: int) -> torch.Tensor:
         """fp32 attention of the first n sequences over the variant's (dequantised) pool, on their pages only."""

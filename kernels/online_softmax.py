@@ -42,3 +42,23 @@ def online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, EMULATE: tl.constexpr
     w = to_e4m3(p * (v_scale / vs_max * 256.0)[None, :], EMULATE)
     acc = acc * alpha[:, None] + tl.dot(w, v) * (vs_max / 256.0)
     return acc, m_new, l_i
+
+
+@triton.jit
+def online_softmax_step_t(acc_t, m_i, l_i, s_t, v, v_scale, DOT_PRECISION: tl.constexpr, E4M3: tl.constexpr,
+                          EMULATE: tl.constexpr):
+    """online_softmax_step keys-major, each value row times v_scale (N,): s_t (N, M) the scores transposed, acc_t
+    (d, M) the running output transposed (a p·v dot of M = d rows). E4M3: v e4m3 and the weights taken to e4m3 as in
+    online_softmax_step_e4m3; else v in the dot's dtype."""
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s_t - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if E4M3:
+        vs_max = tl.max(v_scale, 0)
+        w = to_e4m3(p * (v_scale / vs_max * 256.0)[:, None], EMULATE)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), w) * (vs_max / 256.0)
+    else:
+        w = (p * v_scale[:, None]).to(v.dtype)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), w, input_precision=DOT_PRECISION)
+    return acc_t, m_new, l_i

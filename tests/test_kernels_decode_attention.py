@@ -103,11 +103,18 @@ def test_dense_decode_attention_fp8_small(context_lens, Hq, Hkv, dtype):
 
 
 FP8_DOTS_TOL = (5e-2, 5e-2)  # e4m3 q (and weights): 3 mantissa bits, where the other variants round only q's dtype
-FP8_VARIANTS = {"head_major": dict(head_major=True), "page_scales": dict(page_scales=True),
-                "page_scales_head_major": dict(page_scales=True, head_major=True),
-                "fp8_qk": dict(fp8_dots=1, tol=FP8_DOTS_TOL), "fp8_qk_pv": dict(fp8_dots=2, tol=FP8_DOTS_TOL),
-                "fp8_qk_pv_head_major": dict(fp8_dots=2, head_major=True, tol=FP8_DOTS_TOL),
-                "launch": dict(num_warps=8, num_stages=2, programs_per_sm=2)}
+FP8_VARIANTS = {
+    "head_major": dict(head_major=True),
+    "page_scales": dict(page_scales=True),
+    "page_scales_head_major": dict(page_scales=True, head_major=True),
+    "fp8_qk": dict(fp8_dots=1, tol=FP8_DOTS_TOL),
+    "fp8_qk_pv": dict(fp8_dots=2, tol=FP8_DOTS_TOL),
+    "fp8_qk_pv_head_major": dict(fp8_dots=2, head_major=True, tol=FP8_DOTS_TOL),
+    "keys_major": dict(keys_major=True),
+    "fp8_qk_keys_major": dict(fp8_dots=1, keys_major=True, tol=FP8_DOTS_TOL),
+    "fp8_qk_pv_keys_major_head_major": dict(fp8_dots=2, keys_major=True, head_major=True, tol=FP8_DOTS_TOL),
+    "launch": dict(num_warps=8, num_stages=2, programs_per_sm=2),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -119,12 +126,13 @@ def test_dense_decode_attention_fp8_variants(variant, context_lens, Hq, Hkv, dty
                      **FP8_VARIANTS[variant])
 
 
+@pytest.mark.parametrize("keys_major", [False, True])
 @pytest.mark.parametrize("fp8_dots", [1, 2])
-def test_dense_decode_attention_fp8_dots_exact_inputs(fp8_dots):
+def test_dense_decode_attention_fp8_dots_exact_inputs(fp8_dots, keys_major):
     """q, keys and values already on e4m3's grid and one key per sequence: the fp8 dots lose nothing beyond the
     weights' rounding, which one key (weight 1, exactly 256 in e4m3) does not have."""
-    _check_dense_fp8([1, 1, 1], 8, 2, 32, 16, torch.float32, DEVICE, fp8_dots=fp8_dots, block_n=16,
-                     tol=(1e-5, 1e-5), q_on_grid=True)
+    _check_dense_fp8([1, 1, 1], 8, 2, 32, 16, torch.float32, DEVICE, fp8_dots=fp8_dots, keys_major=keys_major,
+                     block_n=16, tol=(1e-5, 1e-5), q_on_grid=True)
 
 
 @pytest.mark.gpu
