@@ -190,7 +190,8 @@ def main() -> None:
     parser.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the reference")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=30, help="do_bench repetitions, ms")
-    parser.add_argument("--out", default="decode_attention_sweep.json", help="relative paths land in benchmarks/results/")
+    parser.add_argument("--out", default="decode_attention_fp8_variants.json",
+                        help="relative paths land in benchmarks/results/")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is wrong

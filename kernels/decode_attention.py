@@ -15,8 +15,8 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
   scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment), any
                     strides (a dense pool's (rows, Hkv) scales as .T[None], (Hkv, rows) ones as [None]), or
                     (N, Hkv, T_0 // page_size) with page_scales; keys and values enter the dots as their e4m3 values
-                    in q's dtype (exact) or, with fp8_dots, as e4m3 operands; the key scales multiply the fp32 scores
-                    and the value scales the softmax weights
+                    in q's dtype (exact), or as e4m3 operands (keys with fp8_dots 1, both with 2); the key scales
+                    multiply the fp32 scores and the value scales the softmax weights
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
