@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
-from kernels.online_softmax import online_softmax_step, online_softmax_step_e4m3, online_softmax_step_t, to_e4m3
+from kernels.online_softmax import (e4m3_low_term, online_softmax_step, online_softmax_step_e4m3, online_softmax_step_t,
+                                    to_e4m3)
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -52,7 +53,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PAGE_SCALES: tl.constexpr, FP8_DOTS: tl.constexpr,
-                  KEYS_MAJOR: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+                  FP8_TERMS: tl.constexpr, KEYS_MAJOR: tl.constexpr, EMULATE_E4M3: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -75,7 +76,10 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     if FP8_DOTS > 0:  # q to e4m3, one scale per query head (its largest magnitude to 448); padded rows stay 0
         q32 = q.to(tl.float32)
         q_scale = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30) / 448.0
-        q = to_e4m3(q32 / q_scale[:, None], EMULATE_E4M3)
+        q32 = q32 / q_scale[:, None]
+        q = to_e4m3(q32, EMULATE_E4M3)
+        if FP8_TERMS > 1:
+            q_lo = e4m3_low_term(q32, q, EMULATE_E4M3)
         s_scale = q_scale * scale_log2
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
@@ -95,25 +99,29 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             if KEYS_MAJOR:  # scores (BLOCK_N, GROUP_PAD) = k·q^T, the output (HEAD_DIM, GROUP_PAD) += v^T·p^T
                 if FP8_DOTS > 0:
                     s = tl.dot(k, tl.trans(q))
+                    if FP8_TERMS > 1:
+                        s += tl.dot(k, tl.trans(q_lo)) * 0.0625
                     s = tl.where(valid[:, None], s * k_scale[:, None] * s_scale[None, :], float("-inf"))
                 else:
                     s = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
                     s = tl.where(valid[:, None], s * (k_scale * scale_log2)[:, None], float("-inf"))
                 if FP8_DOTS > 1:
                     acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v, v_scale, DOT_PRECISION, True,
-                                                          EMULATE_E4M3)
+                                                          FP8_TERMS, EMULATE_E4M3)
                 else:
                     acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty), v_scale,
-                                                          DOT_PRECISION, False, EMULATE_E4M3)
+                                                          DOT_PRECISION, False, 1, EMULATE_E4M3)
             else:
                 if FP8_DOTS > 0:
                     s = tl.dot(q, tl.trans(k))
+                    if FP8_TERMS > 1:
+                        s += tl.dot(q_lo, tl.trans(k)) * 0.0625
                     s = tl.where(valid[None, :], s * s_scale[:, None] * k_scale[None, :], float("-inf"))
                 else:
                     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
                     s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
                 if FP8_DOTS > 1:
-                    acc, m_i, l_i = online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, EMULATE_E4M3)
+                    acc, m_i, l_i = online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, FP8_TERMS, EMULATE_E4M3)
                 else:
                     acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty),
                                                         DOT_PRECISION, v_scale)
@@ -166,15 +174,17 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
                      page_size: int = 0, block_n: int | None = None, split_tokens: int | None = None,
                      scales: tuple[torch.Tensor, torch.Tensor] | None = None, page_scales: bool = False,
-                     fp8_dots: int = 0, keys_major: bool = False, programs_per_sm: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                     fp8_dots: int = 0, fp8_terms: int = 1, keys_major: bool = False,
+                     programs_per_sm: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
     block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for
     programs_per_sm programs on every SM. fp8 pools take wider steps and more programs: half the bytes per key leave
     each program more latency to hide.
     scales (fp8 pools): any strides, the same for both; page_scales: one scale per (page, KV head), scales
     (N, Hkv, T_0 // page_size). fp8_dots: 1 takes q·k as an e4m3 dot (q quantised per head, its largest magnitude to
-    448), 2 also p·v (see online_softmax_step_e4m3); 0 takes both in q's dtype. keys_major (fp8 pools): the dots
+    448), 2 also p·v (see online_softmax_step_e4m3); 0 takes both in q's dtype. fp8_terms 2: q (and the weights) as
+    two e4m3 terms, two dots each (about 7 mantissa bits instead of 3: e4m3_low_term). keys_major (fp8 pools): the dots
     transposed, scores (keys, heads) and output (d, heads), so that their M is a multiple of 64 (Hopper's wgmma, and
     its native e4m3) where the GQA group is not. num_warps, num_stages: the split kernel's launch (num_stages None:
     Triton's default)."""
@@ -205,6 +215,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
             assert sc.dtype == torch.float32 and sc.shape == shape and sc.stride() == scales[0].stride(), sc.shape
     assert scales[0].dim() == 3 or not (page_scales or fp8_dots or keys_major), "fp8 pools' options"
     assert fp8_dots in (0, 1, 2) and (not fp8_dots or fp8_dots_supported(q.device)), fp8_dots
+    assert fp8_terms in (1, 2) and (fp8_terms == 1 or fp8_dots), fp8_terms
     Hkv = segments[0][0].shape[1]
     G = Hq // Hkv
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
@@ -236,7 +247,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         part_acc.stride(0), GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, PAGE_SCALES=page_scales,
-        FP8_DOTS=fp8_dots, KEYS_MAJOR=keys_major, EMULATE_E4M3=not q.is_cuda, **launch)
+        FP8_DOTS=fp8_dots, FP8_TERMS=fp8_terms, KEYS_MAJOR=keys_major, EMULATE_E4M3=not q.is_cuda, **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

@@ -103,6 +103,7 @@ def test_dense_decode_attention_fp8_small(context_lens, Hq, Hkv, dtype):
 
 
 FP8_DOTS_TOL = (5e-2, 5e-2)  # e4m3 q (and weights): 3 mantissa bits, where the other variants round only q's dtype
+FP8X2_TOL = (3e-3, 3e-3)  # two e4m3 terms: about 7 mantissa bits
 FP8_VARIANTS = {
     "head_major": dict(head_major=True),
     "page_scales": dict(page_scales=True),
@@ -113,6 +114,10 @@ FP8_VARIANTS = {
     "keys_major": dict(keys_major=True),
     "fp8_qk_keys_major": dict(fp8_dots=1, keys_major=True, tol=FP8_DOTS_TOL),
     "fp8_qk_pv_keys_major_head_major": dict(fp8_dots=2, keys_major=True, head_major=True, tol=FP8_DOTS_TOL),
+    "fp8x2_qk": dict(fp8_dots=1, fp8_terms=2, tol=FP8X2_TOL),
+    "fp8x2_qk_pv": dict(fp8_dots=2, fp8_terms=2, tol=FP8X2_TOL),
+    "fp8x2_qk_pv_keys_major_head_major": dict(fp8_dots=2, fp8_terms=2, keys_major=True, head_major=True,
+                                              tol=FP8X2_TOL),
     "launch": dict(num_warps=8, num_stages=2, programs_per_sm=2),
 }
 
