@@ -32,6 +32,7 @@ import functools
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -163,7 +164,18 @@ def _measure(pools: Pools, variant: str, expected: torch.Tensor, args, block_n: 
                 err_vs_bf16=(got - exact).abs().max().item() / exact.abs().max().item())
 
 
-def sweep(args, device: str, dtype: torch.dtype) -> list[dict]:
+def best_launches(rows: list[dict]) -> list[dict]:
+    """The fastest launch of each (variant, batch)."""
+    best = {}
+    for r in rows:
+        key = (r["variant"], r["batch"])
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    return list(best.values())
+
+
+def sweep(args, device: str, dtype: torch.dtype, save) -> list[dict]:
+    """Every variant at every batch; save(rows) after each, so that a run cut short keeps what it measured."""
     rows, start = [], time.perf_counter()
     for batch in args.batch:
         pools = Pools(args, batch, device, dtype)
@@ -180,6 +192,7 @@ def sweep(args, device: str, dtype: torch.dtype) -> list[dict]:
                 measured += [_measure(pools, variant, expected, args, best["block_n"], best["per_sm"], warps, stages)
                              for warps in args.num_warps for stages in args.num_stages]
             rows += measured
+            save(rows)
             done = [r for r in measured if "ms" in r]
             if done:
                 best = min(done, key=lambda r: r["ms"])
@@ -211,17 +224,16 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is wrong
     start = time.perf_counter()
-    rows = sweep(args, device, dtype)
-    best = {}
-    for r in rows:
-        key = (r["variant"], r["batch"])
-        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
-            best[key] = r
-    path = write_json(args.out, rows, argv=sys.argv, device=torch.cuda.get_device_name() if device == "cuda" else
-                      "cpu (Triton interpreter)", context=args.context, best=list(best.values()),
-                      seconds=time.perf_counter() - start)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+
+    def save(rows: list[dict]) -> Path:
+        return write_json(args.out, rows, argv=sys.argv, device=name, context=args.context,
+                          best=best_launches(rows), seconds=time.perf_counter() - start)
+
+    rows = sweep(args, device, dtype, save)
+    path = save(rows)
     print(f"\n{path} ({time.perf_counter() - start:.0f} s)")
-    print_table(list(best.values()), ["variant", "batch", "ms", "gbps", "block_n", "per_sm", "num_warps",
+    print_table(best_launches(rows), ["variant", "batch", "ms", "gbps", "block_n", "per_sm", "num_warps",
                                       "num_stages", "max_err", "rel_err", "err_vs_bf16"])
 
 
