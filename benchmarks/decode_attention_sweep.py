@@ -4,19 +4,19 @@
 
 Variants (VARIANTS): the bf16 pool; the fp8 pool with scales (rows, Hkv) (the baseline: issue #29's kernel and
 layout); its scales stored (Hkv, rows) (one coalesced load per block instead of a 4-byte gather per key, the dense
-cache's layout now); one scale per
-(page, KV head) (the ceiling of coarser scales: the cache's writer quantises per token, so this pool is quantised per
-page here); e4m3 dots for q·k and p·v (decode_attention's fp8_dots); the dots keys-major (its keys_major: M =
-block_n or head_dim, which Hopper's wgmma takes, natively in e4m3, where the GQA group's 16 rows it does not), alone,
-with e4m3 dots for q·k, for both, with the (Hkv, rows) scales, and with q and the weights as two e4m3 terms each
-(fp8x2: its fp8_terms 2, two dots each, about 7 mantissa bits instead of 3).
+cache's layout now); one scale per (page, KV head) (the ceiling of coarser scales: the cache's writer quantises per
+token, so this pool is quantised per page here); e4m3 dots for q·k and p·v (decode_attention's fp8_dots); the dots
+keys-major (its keys_major: M = block_n or head_dim, which Hopper's wgmma takes, natively in e4m3, where the GQA
+group's 16 rows it does not), alone, with e4m3 dots for q·k, for both, with the (Hkv, rows) scales, and with q and
+the weights as two e4m3 terms each (fp8x2: its fp8_terms 2, two dots each, about 7 mantissa bits instead of 3).
 Each variant's launches: block_n x programs per SM at num_warps 4 and Triton's default num_stages, then num_warps x
 num_stages at its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
-pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most tolerance(); rel_err: the
-difference's norm over the reference's; err_vs_bf16: max_err against the bf16 pool's reference, what the output
-loses to fp8 in all; a failure ends the run: SystemExit with the error), then timed (median,
+pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most tolerance();
+rel_err: the difference's norm over the reference's; err_vs_bf16: max_err against the bf16 pool's reference, what
+the output loses to fp8 in all; a failure ends the run: SystemExit with the error), then timed (median,
 triton.testing.do_bench). GB/s counts the bytes the step needs: keys, values and their scales, each read once. The
-table printed last holds each variant's best launch at each batch; the JSON, every launch.
+table printed last holds each variant's best launch at each batch; the JSON (written after every variant), every
+launch.
 Variants with e4m3 dots are skipped, with a message, on GPUs older than sm89.
 
     PYTHONPATH=. python -m benchmarks.decode_attention_sweep [--batch 8 13 --context 122880] [--out PATH]
