@@ -1,72 +1,240 @@
-"""Sweep of the dense paged decode attention kernel's launch (kernels/decode_attention.py) over bf16 and fp8 pools:
-keys per loop step (block_n) and programs per SM (the split), Llama-3.1-8B geometry (32 query heads, 8 KV heads, head
-dim 128), 16-token pages in a shuffled block table. Every variant is checked against the bf16 kernel at its defaults
-(the max |difference|: fp8's is its quantisation) and timed (median, triton.testing.do_bench); GB/s counts the keys,
-values and (fp8) their scales read once. The fp8 defaults (decode_attention's block_n and programs per SM) come from
-this sweep.
+"""Sweep of the dense paged decode attention kernel (kernels/decode_attention.py) over its fp8 pool's variants (issue
+#29) and its bf16 pool, in one run: Llama-3.1-8B geometry by default (32 query heads, 8 KV heads, head dim 128),
+16-token pages in a shuffled block table, every sequence `--context` keys, at each `--batch`.
 
-    PYTHONPATH=. python -m benchmarks.decode_attention_sweep [--batch 8 --context 122880] [--out PATH]
+Variants (VARIANTS): the bf16 pool; the fp8 pool with scales (rows, Hkv) (the baseline: issue #29's kernel and
+layout); its scales stored (Hkv, rows) (one coalesced load per block instead of a 4-byte gather per key, the dense
+cache's layout now); one scale per (page, KV head) (the ceiling of coarser scales: the cache's writer quantises per
+token, so this pool is quantised per page here); e4m3 dots for q·k and p·v (decode_attention's fp8_dots); the dots
+keys-major (its keys_major: M = block_n or head_dim, which Hopper's wgmma takes, natively in e4m3, where the GQA
+group's 16 rows it does not), alone, with e4m3 dots for q·k, for both, with the (Hkv, rows) scales, and with q and
+the weights as two e4m3 terms each (fp8x2: its fp8_terms 2, two dots each, about 7 mantissa bits instead of 3).
+Each variant's launches: block_n x programs per SM at num_warps 4 and Triton's default num_stages, then num_warps x
+num_stages at its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
+pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most tolerance();
+rel_err: the difference's norm over the reference's; err_vs_bf16: max_err against the bf16 pool's reference, what
+the output loses to fp8 in all; a failure ends the run: SystemExit with the error), then timed (median,
+triton.testing.do_bench). GB/s counts the bytes the step needs: keys, values and their scales, each read once. The
+table printed last holds each variant's best launch at each batch; the JSON (written after every variant), every
+launch.
+Variants with e4m3 dots are skipped, with a message, on GPUs older than sm89.
+
+    PYTHONPATH=. python -m benchmarks.decode_attention_sweep [--batch 8 13 --context 122880] [--out PATH]
+
+Without CUDA it runs in Triton's interpreter (TRITON_INTERPRET=1, fp16, wall-clock times of one call: a check that
+every variant runs, not a measurement), e.g. --batch 2 --context 40 --q-heads 4 --kv-heads 2 --head-dim 32
+--block-n 16 --per-sm 1 --num-warps 4 --num-stages 2.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
+import time
+from pathlib import Path
 
 import torch
-import triton
 
-from benchmarks.report import print_table, write_json
-from kernels.decode_attention import decode_attention
-from shadowkv_core.shadowkv.reference import quantize_values
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+import triton  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from benchmarks.report import print_table, write_json  # noqa: E402
+from kernels.decode_attention import decode_attention, fp8_dots_supported  # noqa: E402
+from shadowkv_core.shadowkv.batched_reference import dense_decode_attention_batched  # noqa: E402
+from shadowkv_core.shadowkv.reference import quantize_values  # noqa: E402
+
+PAGE = 16
+# name -> (pool: "bf16", "token" (one scale per token and KV head) or "page" (per page and KV head), scales stored
+# (Hkv, rows or pages) instead of (rows or pages, Hkv), decode_attention's options)
+VARIANTS = {
+    "bf16": ("bf16", False, {}),
+    "fp8": ("token", False, {}),
+    "fp8_head_major": ("token", True, {}),
+    "fp8_page_scales": ("page", True, {}),
+    "fp8_qk_pv": ("token", False, dict(fp8_dots=2)),
+    "fp8_keys_major": ("token", False, dict(keys_major=True)),
+    "fp8_qk_keys_major": ("token", False, dict(fp8_dots=1, keys_major=True)),
+    "fp8_qk_pv_keys_major": ("token", False, dict(fp8_dots=2, keys_major=True)),
+    "fp8_qk_pv_keys_major_head_major": ("token", True, dict(fp8_dots=2, keys_major=True)),
+    "fp8x2_qk_pv_keys_major_head_major": ("token", True, dict(fp8_dots=2, fp8_terms=2, keys_major=True)),
+}
 
 
-def sweep(args) -> list[dict]:
-    B, Hq, Hkv, d, ctx, page = args.batch, 32, 8, 128, args.context, 16
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks = B * ctx // page
-    table = torch.randperm(num_blocks, device="cuda", generator=g).int().view(B, ctx // page)
-    k, v = (torch.randn(num_blocks * page, Hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
-    (k8, ks), (v8, vs) = quantize_values(k, 1), quantize_values(v, 1)
-    q = torch.randn(B, Hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    slots = torch.zeros(B, dtype=torch.int32, device="cuda")
+def tolerance(variant: str) -> float:
+    """max |difference| over max |reference| allowed: q (and the weights) in e4m3 keep 3 mantissa bits, in two e4m3
+    terms about 7."""
+    options = VARIANTS[variant][2]
+    return 1e-1 if options.get("fp8_dots") and options.get("fp8_terms", 1) == 1 else 2e-2
 
-    def run(fp8: bool, **launch):
-        pool = [((k8 if fp8 else k).permute(1, 0, 2)[None], (v8 if fp8 else v).permute(1, 0, 2)[None], lens)]
-        return decode_attention(q, pool, slots, d ** -0.5, ctx, page_table=table, page_size=page,
-                                scales=(ks.T[None], vs.T[None]) if fp8 else None, **launch)
+class Pools:
+    """One batch's pools (rows, Hkv, d): bf16 keys and values, their fp8 copies with per-token and per-page scales,
+    and the reference's inputs for the first sequences."""
 
-    reference = run(False).float()
-    rows = []
-    for fp8 in (True, False):
-        nbytes = 2 * B * ctx * Hkv * (d + 4 if fp8 else 2 * d)
-        for block_n in args.block_n:
-            for per_sm in args.per_sm:
-                blocks = triton.next_power_of_2(triton.cdiv(ctx, block_n))
-                split = block_n * triton.cdiv(blocks * B * Hkv, per_sm * sms)
-                fn = functools.partial(run, fp8, block_n=block_n, split_tokens=split)
-                err = (fn().float() - reference).abs().max().item()
-                ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-                rows.append(dict(fp8=fp8, block_n=block_n, per_sm=per_sm, ms=ms, gbps=nbytes / ms / 1e6,
-                                 max_diff_vs_bf16=err))
+    def __init__(self, args, batch: int, device: str, dtype: torch.dtype):
+        g = torch.Generator(device=device).manual_seed(batch)
+        Hkv, d, ctx = args.kv_heads, args.head_dim, args.context
+        pages = -(-ctx // PAGE)
+        num_blocks = batch * pages
+        self.table = torch.randperm(num_blocks, device=device, generator=g).int().view(batch, pages)
+        self.k, self.v = (torch.randn(num_blocks * PAGE, Hkv, d, device=device, generator=g).to(dtype) for _ in "kv")
+        self.q = torch.randn(batch, args.q_heads, d, device=device, generator=g).to(dtype)
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.fp8 = {"token": (quantize_values(self.k, 1), quantize_values(self.v, 1)),
+                    "page": (quantize_values(self.k, PAGE), quantize_values(self.v, PAGE))}
+        self.batch, self.ctx, self.Hkv, self.d = batch, ctx, Hkv, d
+        self._bf16_reference: dict[int, torch.Tensor] = {}
+
+    def kwargs(self, variant: str) -> dict:
+        pool, head_major, options = VARIANTS[variant]
+        if pool == "bf16":
+            return dict(segments=[(self.k.permute(1, 0, 2)[None], self.v.permute(1, 0, 2)[None], self.lens)])
+        (k8, ks), (v8, vs) = self.fp8[pool]
+        if head_major:
+            ks, vs = ks.T.contiguous(), vs.T.contiguous()  # (Hkv, rows or pages)
+        else:
+            ks, vs = ks.T, vs.T
+        return dict(segments=[(k8.permute(1, 0, 2)[None], v8.permute(1, 0, 2)[None], self.lens)],
+                    scales=(ks[None], vs[None]), page_scales=pool == "page", **options)
+
+    def reference(self, variant: str, n: int) -> torch.Tensor:
+        """fp32 attention of the first n sequences over the variant's (dequantised) pool, on their pages only."""
+        pages = self.table[:n].flatten().long()
+        rows = (pages[:, None] * PAGE + torch.arange(PAGE, device=pages.device)).flatten()
+        table = torch.arange(len(pages), dtype=torch.int32, device=pages.device).view(n, -1)
+        pool = VARIANTS[variant][0]
+        if pool == "bf16":
+            k, v, scales = self.k[rows].float(), self.v[rows].float(), None
+        else:
+            (k8, ks), (v8, vs) = self.fp8[pool]
+            chunk = PAGE if pool == "page" else 1
+            k, v = k8[rows], v8[rows]
+            scales = (ks.repeat_interleave(chunk, 0)[rows], vs.repeat_interleave(chunk, 0)[rows])
+        return dense_decode_attention_batched(self.q[:n].float(), k, v, table, self.lens[:n], PAGE,
+                                              self.d ** -0.5, scales=scales)
+
+    def bf16_reference(self, n: int) -> torch.Tensor:
+        """reference over the bf16 pool, which the fp8 ones quantise: what a variant's output loses to fp8."""
+        if n not in self._bf16_reference:
+            self._bf16_reference[n] = self.reference("bf16", n)
+        return self._bf16_reference[n]
+
+    def bytes_needed(self, variant: str) -> int:
+        pool = VARIANTS[variant][0]
+        keys = self.batch * self.ctx * self.Hkv
+        if pool == "bf16":
+            return 2 * keys * self.d * self.k.element_size()
+        return 2 * keys * self.d + 2 * 4 * (keys // PAGE if pool == "page" else keys)
+
+
+def _time(fn, args) -> float:
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _measure(pools: Pools, variant: str, expected: torch.Tensor, args, block_n: int, per_sm: int, num_warps: int,
+             num_stages: int | None) -> dict:
+    row = dict(variant=variant, batch=pools.batch, block_n=block_n, per_sm=per_sm, num_warps=num_warps,
+               num_stages=num_stages or "default")
+    fn = functools.partial(decode_attention, pools.q, slot_ids=torch.zeros_like(pools.lens), scale=pools.d ** -0.5,
+                           max_len=pools.ctx, page_table=pools.table, page_size=PAGE, block_n=block_n,
+                           programs_per_sm=per_sm, num_warps=num_warps, num_stages=num_stages,
+                           **pools.kwargs(variant))
+    try:
+        got = fn()[:len(expected)].float()
+    except (OutOfResources, CompilationError, RuntimeError) as e:  # a launch the GPU cannot hold, or Triton's passes
+        print(f"{variant} batch {pools.batch} {row}: does not compile ({type(e).__name__}: {str(e)[:200]})")
+        return dict(row, error=f"{type(e).__name__}: {str(e)[:200]}")
+    diff = (got - expected).abs()
+    err = diff.max().item() / expected.abs().max().item()  # the outputs' scale shrinks with the context
+    tol = tolerance(variant)
+    if not err <= tol:  # NaN fails too
+        raise SystemExit(f"{variant} {row}: differs from the reference on the first {len(expected)} sequences: max "
+                         f"|diff| / max |ref| {err:.4g} > {tol} (max |ref| {expected.abs().max().item():.4g})")
+    ms = _time(fn, args)
+    exact = pools.bf16_reference(len(expected))
+    return dict(row, ms=ms, gbps=pools.bytes_needed(variant) / ms / 1e6, max_err=err,
+                rel_err=(diff.norm() / expected.norm()).item(),
+                err_vs_bf16=(got - exact).abs().max().item() / exact.abs().max().item())
+
+
+def best_launches(rows: list[dict]) -> list[dict]:
+    """The fastest launch of each (variant, batch)."""
+    best = {}
+    for r in rows:
+        key = (r["variant"], r["batch"])
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    return list(best.values())
+
+
+def sweep(args, device: str, dtype: torch.dtype, save) -> list[dict]:
+    """Every variant at every batch; save(rows) after each, so that a run cut short keeps what it measured."""
+    rows, start = [], time.perf_counter()
+    for batch in args.batch:
+        pools = Pools(args, batch, device, dtype)
+        for variant in args.variants:
+            if VARIANTS[variant][2].get("fp8_dots") and not fp8_dots_supported(torch.device(device)):
+                print(f"{variant}: skipped, fp8 dots need sm89 or later")
+                continue
+            expected = pools.reference(variant, min(args.check_seqs, batch))
+            measured = [_measure(pools, variant, expected, args, block_n, per_sm, 4, None)
+                        for block_n in args.block_n for per_sm in args.per_sm]
+            timed = [r for r in measured if "ms" in r]
+            if timed:
+                best = min(timed, key=lambda r: r["ms"])
+                measured += [_measure(pools, variant, expected, args, best["block_n"], best["per_sm"], warps, stages)
+                             for warps in args.num_warps for stages in args.num_stages]
+            rows += measured
+            save(rows)
+            done = [r for r in measured if "ms" in r]
+            if done:
+                best = min(done, key=lambda r: r["ms"])
+                print(f"{variant} batch {batch}: best {best['ms']:.3f} ms ({best['gbps']:.0f} GB/s) at block_n "
+                      f"{best['block_n']}, {best['per_sm']}/SM, {best['num_warps']} warps, {best['num_stages']} "
+                      f"stages ({time.perf_counter() - start:.0f} s in)", flush=True)
+        del pools
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 13])
     parser.add_argument("--context", type=int, default=122_880)
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--out", default="decode_attention_sweep.json", help="relative paths land in benchmarks/results/")
+    parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the reference")
+    parser.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
+    parser.add_argument("--rep", type=int, default=30, help="do_bench repetitions, ms")
+    parser.add_argument("--out", default="decode_attention_fp8_variants.json",
+                        help="relative paths land in benchmarks/results/")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("the sweep times a CUDA kernel: no GPU on this machine")
-    rows = sweep(args)
-    path = write_json(args.out, rows, batch=args.batch, context=args.context)
-    print(f"\n{path}")
-    print_table(rows, ["fp8", "block_n", "per_sm", "ms", "gbps", "max_diff_vs_bf16"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 is wrong
+    start = time.perf_counter()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+
+    def save(rows: list[dict]) -> Path:
+        return write_json(args.out, rows, argv=sys.argv, device=name, context=args.context,
+                          best=best_launches(rows), seconds=time.perf_counter() - start)
+
+    rows = sweep(args, device, dtype, save)
+    path = save(rows)
+    print(f"\n{path} ({time.perf_counter() - start:.0f} s)")
+    print_table(best_launches(rows), ["variant", "batch", "ms", "gbps", "block_n", "per_sm", "num_warps",
+                                      "num_stages", "max_err", "rel_err", "err_vs_bf16"])
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
                     rows slot_ids[b]; lens (B,) int32 keys of each sequence in the segment (a prefix of T_i).
                     A window stored (N, E, Hkv, d) is passed as its .transpose(1, 2); a dense pool (rows, Hkv, d)
                     as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
-  scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment): strides
-                    k's divided by d (a dense pool's (rows, Hkv) scales as .T[None]); keys and values enter the dots
-                    as their e4m3 values in q's dtype (exact), the key scales multiply the fp32 scores and the value
-                    scales the softmax weights
+  scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment), any
+                    strides (a dense pool's (rows, Hkv) scales as .T[None], (Hkv, rows) ones as [None]), or
+                    (N, Hkv, T_0 // page_size) with page_scales; keys and values enter the dots as their e4m3 values
+                    in q's dtype (exact), or as e4m3 operands (keys with fp8_dots 1, both with 2); the key scales
+                    multiply the fp32 scores and the value scales the softmax weights
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
@@ -24,14 +25,15 @@ import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
-from kernels.online_softmax import online_softmax_step
+from kernels.online_softmax import (e4m3_low_term, online_softmax_step, online_softmax_step_e4m3, online_softmax_step_t,
+                                    to_e4m3)
 
 _NUM_SMS: dict[int, int] = {}
 
 
 @triton.jit
-def _segment_offsets(t, start, n, stride_t, table_ptr, PAGE_SIZE: tl.constexpr):
-    """Row offsets (in elements) of keys [start, start + n) of a segment, for the tokens t of the whole list."""
+def _segment_rows(t, start, n, table_ptr, PAGE_SIZE: tl.constexpr):
+    """Rows of keys [start, start + n) of a segment, for the tokens t of the whole list."""
     local = t - start
     inside = (local >= 0) & (local < n)
     if PAGE_SIZE > 0:
@@ -39,7 +41,7 @@ def _segment_offsets(t, start, n, stride_t, table_ptr, PAGE_SIZE: tl.constexpr):
         row = block * PAGE_SIZE + local % PAGE_SIZE
     else:
         row = local.to(tl.int64)
-    return inside, row * stride_t
+    return inside, row
 
 
 @triton.jit
@@ -47,10 +49,11 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
                   ks_ptr, vs_ptr, table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits,
                   split_tokens,
                   stride_qb, stride_0n, stride_0h, stride_0t, stride_1n, stride_1h, stride_1t,
-                  stride_2n, stride_2h, stride_2t, stride_tb, stride_pb, stride_ab,
+                  stride_2n, stride_2h, stride_2t, stride_sn, stride_sh, stride_st, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PAGE_SCALES: tl.constexpr, FP8_DOTS: tl.constexpr,
+                  FP8_TERMS: tl.constexpr, KEYS_MAJOR: tl.constexpr, EMULATE_E4M3: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -66,34 +69,76 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     base2 = slot * stride_2n + h * stride_2h
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    if KEYS_MAJOR:  # (HEAD_DIM, GROUP_PAD): the dots' M is BLOCK_N or HEAD_DIM, a multiple of Hopper's wgmma's 64
+        acc = tl.zeros([HEAD_DIM, GROUP_PAD], dtype=tl.float32)
+    else:
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    if FP8_DOTS > 0:  # q to e4m3, one scale per query head (its largest magnitude to 448); padded rows stay 0
+        q32 = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30) / 448.0
+        q32 = q32 / q_scale[:, None]
+        q = to_e4m3(q32, EMULATE_E4M3)
+        if FP8_TERMS > 1:
+            q_lo = e4m3_low_term(q32, q, EMULATE_E4M3)
+        s_scale = q_scale * scale_log2
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         valid = t < hi
-        in0, off0 = _segment_offsets(t, 0, n0, stride_0t, table_ptr + b * stride_tb, PAGE_SIZE)
-        if FP8:  # segment 0 only, addressed directly; its scale rows sit at its key offsets over HEAD_DIM
-            rows = base0 + off0
+        in0, row0 = _segment_rows(t, 0, n0, table_ptr + b * stride_tb, PAGE_SIZE)
+        if FP8:  # segment 0 only, addressed directly
+            rows = base0 + row0 * stride_0t
             k = tl.load(k0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s_rows = rows // HEAD_DIM
+            if PAGE_SCALES:
+                s_rows = slot * stride_sn + h * stride_sh + (row0 // PAGE_SIZE) * stride_st
+            else:
+                s_rows = slot * stride_sn + h * stride_sh + row0 * stride_st
             k_scale = tl.load(ks_ptr + s_rows, mask=valid, other=0.0)
             v_scale = tl.load(vs_ptr + s_rows, mask=valid, other=0.0)
             # the scales ride on the (GROUP_PAD, BLOCK_N) scores and weights, not on the (BLOCK_N, d) tiles
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), DOT_PRECISION, v_scale)
+            if KEYS_MAJOR:  # scores (BLOCK_N, GROUP_PAD) = k·q^T, the output (HEAD_DIM, GROUP_PAD) += v^T·p^T
+                if FP8_DOTS > 0:
+                    s = tl.dot(k, tl.trans(q))
+                    if FP8_TERMS > 1:
+                        s += tl.dot(k, tl.trans(q_lo)) * 0.0625
+                    s = tl.where(valid[:, None], s * k_scale[:, None] * s_scale[None, :], float("-inf"))
+                else:
+                    s = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
+                    s = tl.where(valid[:, None], s * (k_scale * scale_log2)[:, None], float("-inf"))
+                if FP8_DOTS > 1:
+                    acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v, v_scale, DOT_PRECISION, True,
+                                                          FP8_TERMS, EMULATE_E4M3)
+                else:
+                    acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty), v_scale,
+                                                          DOT_PRECISION, False, 1, EMULATE_E4M3)
+            else:
+                if FP8_DOTS > 0:
+                    s = tl.dot(q, tl.trans(k))
+                    if FP8_TERMS > 1:
+                        s += tl.dot(q_lo, tl.trans(k)) * 0.0625
+                    s = tl.where(valid[None, :], s * s_scale[:, None] * k_scale[None, :], float("-inf"))
+                else:
+                    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                    s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
+                if FP8_DOTS > 1:
+                    acc, m_i, l_i = online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, FP8_TERMS, EMULATE_E4M3)
+                else:
+                    acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty),
+                                                        DOT_PRECISION, v_scale)
         else:
-            in1, off1 = _segment_offsets(t, n0, n1, stride_1t, table_ptr, 0)
-            in2, off2 = _segment_offsets(t, n0 + n1, n2, stride_2t, table_ptr, 0)
-            k_rows = tl.where(in0, k0_ptr + base0 + off0,
-                              tl.where(in1, k1_ptr + base1 + off1, k2_ptr + base2 + off2))
-            v_rows = tl.where(in0, v0_ptr + base0 + off0,
-                              tl.where(in1, v1_ptr + base1 + off1, v2_ptr + base2 + off2))
+            in1, row1 = _segment_rows(t, n0, n1, table_ptr, 0)
+            in2, row2 = _segment_rows(t, n0 + n1, n2, table_ptr, 0)
+            k_rows = tl.where(in0, k0_ptr + base0 + row0 * stride_0t,
+                              tl.where(in1, k1_ptr + base1 + row1 * stride_1t, k2_ptr + base2 + row2 * stride_2t))
+            v_rows = tl.where(in0, v0_ptr + base0 + row0 * stride_0t,
+                              tl.where(in1, v1_ptr + base1 + row1 * stride_1t, v2_ptr + base2 + row2 * stride_2t))
             k = tl.load(k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(valid[None, :], s, float("-inf"))
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    if KEYS_MAJOR:
+        acc = tl.trans(acc)
     part = b * stride_pb + heads * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
@@ -119,14 +164,30 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, str
     tl.store(out_ptr + b * stride_ob + hq * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def fp8_dots_supported(device: torch.device) -> bool:
+    """Whether decode_attention's fp8_dots compile for the device: e4m3 casts and dots need sm89 or later (the
+    interpreter emulates them)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
                      page_size: int = 0, block_n: int | None = None, split_tokens: int | None = None,
-                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None, page_scales: bool = False,
+                     fp8_dots: int = 0, fp8_terms: int = 1, keys_major: bool = False,
+                     programs_per_sm: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
-    block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for a
-    few programs per SM. fp8 pools take wider steps and more programs: half the bytes per key leave each program
-    more latency to hide."""
+    block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for
+    programs_per_sm programs on every SM. fp8 pools take wider steps and more programs: half the bytes per key leave
+    each program more latency to hide.
+    scales (fp8 pools): any strides, the same for both; page_scales: one scale per (page, KV head), scales
+    (N, Hkv, T_0 // page_size). fp8_dots: 1 takes q·k as an e4m3 dot (q quantised per head, its largest magnitude to
+    448), 2 also p·v (see online_softmax_step_e4m3); 0 takes both in q's dtype. fp8_terms 2: q (and the weights) as
+    two e4m3 terms, two dots each (about 7 mantissa bits instead of 3: e4m3_low_term). keys_major (fp8 pools): the dots
+    transposed, scores (keys, heads) and output (d, heads), so that their M is a multiple of 64 (Hopper's wgmma, and
+    its native e4m3) where the GQA group is not. num_warps, num_stages: the split kernel's launch (num_stages None:
+    Triton's default)."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
@@ -146,9 +207,15 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     else:
         pool = segments[0][0]
         assert len(segments) == 1, "fp8 keys and values: one segment"
+        shape = pool.shape[:3]
+        if page_scales:
+            assert page_size > 0 and shape[2] % page_size == 0, (shape, page_size)
+            shape = (shape[0], shape[1], shape[2] // page_size)
         for sc in scales:
-            assert sc.dtype == torch.float32 and sc.shape == pool.shape[:3] and sc.stride() == scales[0].stride()
-            assert all(sc.stride(i) * d == pool.stride(i) for i in range(3) if pool.shape[i] > 1), sc.stride()
+            assert sc.dtype == torch.float32 and sc.shape == shape and sc.stride() == scales[0].stride(), sc.shape
+    assert scales[0].dim() == 3 or not (page_scales or fp8_dots or keys_major), "fp8 pools' options"
+    assert fp8_dots in (0, 1, 2) and (not fp8_dots or fp8_dots_supported(q.device)), fp8_dots
+    assert fp8_terms in (1, 2) and (fp8_terms == 1 or fp8_dots), fp8_terms
     Hkv = segments[0][0].shape[1]
     G = Hq // Hkv
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
@@ -160,7 +227,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     block_n = block_n or (128 if fp8 else 64)
     blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
     if split_tokens is None:
-        per_sm = 16 if fp8 else 4
+        per_sm = programs_per_sm or (16 if fp8 else 4)
         split_tokens = block_n * triton.cdiv(blocks * B * Hkv, per_sm * _NUM_SMS[q.device.index])
     split_tokens = min(split_tokens, block_n * blocks)
     assert split_tokens % block_n == 0
@@ -170,14 +237,17 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     part_acc = torch.empty(B, Hq, num_splits, d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = segments
+    stride_s = scales[0].stride() if fp8 else (0, 0, 0)
+    launch = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     _split_kernel[(num_splits, Hkv, B)](
         q, k0, v0, k1, v1, k2, v2, n0, n1, n2, scales[0], scales[1], page_table, slot_ids, part_m, part_l, part_acc,
         scale * 1.4426950408889634, num_splits, split_tokens,  # scale in exp2 units: times log2(e)
         q.stride(0), k0.stride(0), k0.stride(1), k0.stride(2), k1.stride(0), k1.stride(1), k1.stride(2),
-        k2.stride(0), k2.stride(1), k2.stride(2), page_table.stride(0), part_m.stride(0), part_acc.stride(0),
-        GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
+        k2.stride(0), k2.stride(1), k2.stride(2), *stride_s, page_table.stride(0), part_m.stride(0),
+        part_acc.stride(0), GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, PAGE_SCALES=page_scales,
+        FP8_DOTS=fp8_dots, FP8_TERMS=fp8_terms, KEYS_MAJOR=keys_major, EMULATE_E4M3=not q.is_cuda, **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

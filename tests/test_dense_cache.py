@@ -118,7 +118,7 @@ def test_fp8_cache_attends_within_e4m3_error_of_full_attention(use_kernels):
     for sid, (keys, values) in given.items():
         rows = cache.manager.token_rows(sid, 0, cache.manager.lengths[sid])
         for kept, scales, exact in ((cache.k, cache.k_scales, keys), (cache.v, cache.v_scales, values)):
-            held = dequantize_tokens(kept[0, rows], scales[0, rows], torch.float32)
+            held = dequantize_tokens(kept[0, rows], scales[0, :, rows].T, torch.float32)  # scales (L, Hkv, rows)
             assert ((held - exact).abs() <= e4m3_error(exact) + 1e-7).all()
 
 
@@ -132,8 +132,8 @@ def test_fp8_append_into_a_partly_filled_block_leaves_its_tokens_untouched():
     rows = cache.manager.token_rows(0, 0, 2)
 
     def held():  # copies: indexed by a tensor of rows
-        return [cache.k[0, rows].view(torch.uint8), cache.v[0, rows].view(torch.uint8), cache.k_scales[0, rows],
-                cache.v_scales[0, rows]]
+        return [cache.k[0, rows].view(torch.uint8), cache.v[0, rows].view(torch.uint8), cache.k_scales[0, :, rows],
+                cache.v_scales[0, :, rows]]
 
     before = held()
     meta = AttentionMetadata(False, [0], [1], [2], torch.tensor([2]))
@@ -142,8 +142,24 @@ def test_fp8_append_into_a_partly_filled_block_leaves_its_tokens_untouched():
     cache.finish_forward(meta)
     assert all(torch.equal(a, b) for a, b in zip(held(), before))
     new = cache.manager.token_rows(0, 2, 3)
-    appended = dequantize_tokens(cache.k[0, new], cache.k_scales[0, new], torch.float32)
+    appended = dequantize_tokens(cache.k[0, new], cache.k_scales[0, :, new].T, torch.float32)
     assert ((appended - 100 * k_rot).abs() <= e4m3_error(100 * k_rot) + 1e-5).all()  # no saturation either
+
+
+def test_fp8_copy_sequence_copies_values_and_scales():
+    cache = make_cache(kv_cache_dtype="fp8")
+    for _ in ragged_forwards(cache, [[1, 1, 1]]):
+        pass
+    length = cache.manager.lengths[2]
+    cache.manager.allocate(5, length, 0)
+    cache.copy_sequence(2, 5)
+    src, dst = cache.manager.token_rows(2, 0, length), cache.manager.token_rows(5, 0, length)
+    assert not set(src.tolist()) & set(dst.tolist())
+    for layer in range(2):
+        for kept, scales in ((cache.k, cache.k_scales), (cache.v, cache.v_scales)):  # scales (L, Hkv, rows)
+            assert torch.equal(kept[layer, dst].view(torch.uint8), kept[layer, src].view(torch.uint8))
+            assert torch.equal(scales[layer, :, dst], scales[layer, :, src])
+    assert not torch.equal(cache.k_scales[0, :, src], torch.ones_like(cache.k_scales[0, :, src]))  # layer 0 written
 
 
 def test_fp8_blocks_take_one_byte_per_element_plus_a_scale_per_token_and_kv_head():

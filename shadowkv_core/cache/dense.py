@@ -2,7 +2,8 @@
 per-sequence block table (the vLLM layout). Used for full attention and for sequences too short for ShadowKV.
 
 kv_cache_dtype "fp8": e4m3 with one fp32 scale per token and KV head, so that an appended token never rescales nor
-saturates the tokens already in its block; attention reads them dequantised to the model's dtype."""
+saturates the tokens already in its block; attention reads them dequantised to the model's dtype. The scales are
+stored per layer (Hkv, rows): the decode kernel reads a block's keys' scales of one head in one coalesced load."""
 from __future__ import annotations
 
 import math
@@ -169,8 +170,9 @@ class DenseKVCache(KVCache):
         self.fp8 = spec.kv_cache_dtype == "fp8"
         self.k = torch.zeros(shape, dtype=FP8 if self.fp8 else spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
-        self.k_scales = torch.ones(shape[:3], device=spec.device) if self.fp8 else None  # (L, rows, Hkv) fp32
-        self.v_scales = torch.ones(shape[:3], device=spec.device) if self.fp8 else None
+        scales_shape = (shape[0], shape[2], shape[1])  # (L, Hkv, rows) fp32
+        self.k_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
+        self.v_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
         token_bytes = spec.head_dim * self.k.dtype.itemsize + (4 if self.fp8 else 0)  # one KV head's K or V
         block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * token_bytes
         self.manager = DenseManager(num_blocks, block_size, block_bytes, prefix_caching)
@@ -203,15 +205,16 @@ class DenseKVCache(KVCache):
         if not self.fp8:
             self.k[layer, rows], self.v[layer, rows] = k, v
             return
-        self.k[layer, rows], self.k_scales[layer, rows] = quantize_values(k, 1)  # chunks of one token
-        self.v[layer, rows], self.v_scales[layer, rows] = quantize_values(v, 1)
+        for pool, scales, x in ((self.k, self.k_scales, k), (self.v, self.v_scales, v)):
+            pool[layer, rows], token_scales = quantize_values(x, 1)  # chunks of one token: (n, Hkv)
+            scales[layer, :, rows] = token_scales.T
 
     def _load(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (n, Hkv, d) of the pool's rows (n,), in the model's dtype."""
         if not self.fp8:
             return self.k[layer, rows], self.v[layer, rows]
-        return (dequantize_tokens(self.k[layer, rows], self.k_scales[layer, rows], self.spec.dtype),
-                dequantize_tokens(self.v[layer, rows], self.v_scales[layer, rows], self.spec.dtype))
+        return (dequantize_tokens(self.k[layer, rows], self.k_scales[layer, :, rows].T, self.spec.dtype),
+                dequantize_tokens(self.v[layer, rows], self.v_scales[layer, :, rows].T, self.spec.dtype))
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
         if self.spec.kernels and not meta.is_prefill:
@@ -262,7 +265,7 @@ class DenseKVCache(KVCache):
         pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
         scales = None
         if self.fp8:
-            scales = (self.k_scales[layer].T[None], self.v_scales[layer].T[None])  # (1, Hkv, rows)
+            scales = (self.k_scales[layer][None], self.v_scales[layer][None])  # (1, Hkv, rows)
         return decode_attention(q.contiguous(), [pool], slots, self.spec.scale, max_len, page_table=table,
                                 page_size=self.manager.block_size, scales=scales)
 
@@ -287,8 +290,10 @@ class DenseKVCache(KVCache):
     def copy_sequence(self, src: int, dst: int) -> None:
         length = self.manager.lengths[src]
         rows_src, rows_dst = self._rows(src, 0, length), self._rows(dst, 0, length)
-        pools = [self.k, self.v] + ([self.k_scales, self.v_scales] if self.fp8 else [])
+        scales = [self.k_scales, self.v_scales] if self.fp8 else []
         for layer in range(self.k.shape[0]):  # one layer at a time: no whole-cache temporary
-            for pool in pools:
+            for pool in (self.k, self.v):
                 pool[layer, rows_dst] = pool[layer, rows_src]
+            for pool in scales:  # (Hkv, rows)
+                pool[layer, :, rows_dst] = pool[layer, :, rows_src]
         self.manager.lengths[dst] = length
