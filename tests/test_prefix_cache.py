@@ -399,7 +399,7 @@ def test_a_request_asking_prompt_logprobs_prefills_whole_over_a_cached_prefix(ti
 
 def test_a_waiting_prompt_is_hashed_once_however_often_it_is_looked_up(tiny_path, monkeypatch):
     """Admission looks a waiting prompt up at every pass and again to allocate it: its block hashes are computed once."""
-    import shadowkv_core.cache.dense as dense
+    import shadowkv_core.cache.prefix as prefix
 
     hashed = []
 
@@ -407,7 +407,7 @@ def test_a_waiting_prompt_is_hashed_once_however_often_it_is_looked_up(tiny_path
         hashed.append(len(token_ids))
         return block_hashes(token_ids, block_size, parent)
 
-    monkeypatch.setattr(dense, "block_hashes", counting)
+    monkeypatch.setattr(prefix, "block_hashes", counting)
     llm = engine_llm(tiny_path)
     doc = tokens(70, 16)
     llm.generate([doc + tokens(4, 17)], GREEDY)
