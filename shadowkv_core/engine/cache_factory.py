@@ -102,4 +102,5 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
                 "tokens (device value share %.3f)", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
                 pools.num_host_pages, pools.num_device_value_pages, mm.page_tokens(cfg), cfg.device_value_share)
     dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
-    return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement))
+    return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement,
+                                                 config.enable_prefix_caching))
