@@ -49,6 +49,32 @@ def record_prefills(engine, monkeypatch):
     return seen
 
 
+def record_logits(engine, monkeypatch):
+    """The last-token logits (B, vocab) of every prefill the engine finishes."""
+    seen = []
+    advance = engine.runner.advance_prefill
+
+    def spy(job, num_layers):
+        out = advance(job, num_layers)
+        if out is not None:
+            seen.append(out.clone())
+        return out
+
+    monkeypatch.setattr(engine.runner, "advance_prefill", spy)
+    return seen
+
+
+def served_like_cold(llm, cold_llm, prompt, params, monkeypatch):
+    """llm's tokens for the prompt, once checked against cold_llm's, and its prefill's last-token logits too (a tiny
+    model's greedy tokens would hide small errors in the keys)."""
+    with monkeypatch.context() as m:
+        got_logits, want_logits = record_logits(llm.engine, m), record_logits(cold_llm.engine, m)
+        got = llm.generate([prompt], params)[0].token_ids
+        assert got == cold_llm.generate([prompt], params)[0].token_ids
+    torch.testing.assert_close(got_logits[-1], want_logits[-1], rtol=1e-4, atol=1e-4)
+    return got
+
+
 def shadow_of(engine):
     return engine.cache.manager.shadow
 
@@ -87,14 +113,20 @@ def test_prompts_over_a_cached_shadow_prefix_prefill_only_their_suffix_and_give_
                                                                                               monkeypatch):
     llm = engine_llm(tiny_path)
     seen = record_prefills(llm.engine, monkeypatch)
+    logits = record_logits(llm.engine, monkeypatch)
     doc = tokens(300, 1)  # its shadow holds four whole pages
     prompts = [doc + tokens(7, 2), doc + tokens(9, 3), doc + tokens(40, 4)]
-    want = [o.token_ids for o in cold.generate(prompts, GREEDY)]
+    with monkeypatch.context() as m:
+        cold_logits = record_logits(cold.engine, m)
+        want = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert llm.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
+    llm.generate([tokens(200, 35)], GREEDY)  # another sequence's prefill overwrites the slot the document's had
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[1:]] == want[1:]
-    assert seen == [([0], [307]), ([256], [53]), ([256], [84])]
+    assert seen == [([0], [307]), ([0], [200]), ([256], [53]), ([256], [84])]
+    for got, cold_one in zip(logits[2:], cold_logits[1:]):  # the readers' first tokens: the same distribution
+        torch.testing.assert_close(got, cold_one, rtol=1e-4, atol=1e-4)
     stats = llm.engine.stats()
-    assert stats["prefix_hit_tokens"] == 512 and stats["prefix_query_tokens"] == 307 + 309 + 340
+    assert stats["prefix_hit_tokens"] == 512 and stats["prefix_query_tokens"] == 307 + 200 + 309 + 340
     assert consistent(shadow_of(llm.engine)) and stats["prefix_cached_bytes"] > 0
     assert settled(llm.engine)
 
@@ -109,8 +141,7 @@ def test_a_conversation_reuses_each_turns_prompt_and_answer(tiny_path, cold, mon
     answer = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     prompt = tokens(150, 5)
     for turn in range(3):
-        got = llm.generate([prompt], answer)[0].token_ids
-        assert got == cold_llm.generate([prompt], answer)[0].token_ids, turn
+        got = served_like_cold(llm, cold_llm, prompt, answer, monkeypatch)
         previous, prompt = prompt, prompt + got + tokens(6, 6 + turn)
     contexts = [c for (c,), _ in seen]
     assert contexts[0] == 0 and contexts[1] > 0 and contexts[2] > contexts[1]
@@ -154,7 +185,7 @@ def test_a_prefix_ending_mid_page_reuses_the_whole_pages_before_it(tiny_path, co
     doc = tokens(300, 11)
     llm.generate([doc], GREEDY)
     prompt = doc[:150] + tokens(60, 12)  # shares two whole pages and 22 tokens of the third
-    assert llm.generate([prompt], GREEDY)[0].token_ids == cold.generate([prompt], GREEDY)[0].token_ids
+    served_like_cold(llm, cold, prompt, GREEDY, monkeypatch)
     assert seen[1] == ([128], [82])
     assert settled(llm.engine)
 
@@ -170,7 +201,7 @@ def test_the_page_of_the_prompts_last_token_is_never_adopted(tiny_path, monkeypa
     manager = shadow_of(llm.engine)
     assert manager.cached_prefix_len(4 * PAGE, 10, doc[:4 * PAGE]) == 3 * PAGE  # its last token is in page 4
     exact = doc[:4 * PAGE + 1]  # its last token opens page 5: four pages adopted, one token prefilled
-    assert llm.generate([exact], GREEDY)[0].token_ids == cold_llm.generate([exact], GREEDY)[0].token_ids
+    served_like_cold(llm, cold_llm, exact, GREEDY, monkeypatch)
     assert seen[1] == ([4 * PAGE], [1])
     assert settled(llm.engine)
 
@@ -193,7 +224,7 @@ def test_concurrent_cold_prefills_of_one_document_never_mix_their_bases(tiny_pat
     lineages = {record.lineage for _, record in manager.cached.values()}
     assert len(lineages) == 2  # b indexed the pages its answer filled, under its own record
     turn = prompts["b"] + answers["b"] + tokens(5, 16)
-    assert llm.generate([turn], GREEDY)[0].token_ids == cold.generate([turn], GREEDY)[0].token_ids
+    served_like_cold(llm, cold, turn, GREEDY, monkeypatch)
     assert 0 < seen[-1][0][0] <= 256  # a's document pages at most: b's answer pages are on another basis
     assert settled(engine)
 
@@ -261,7 +292,7 @@ def test_abort_during_a_suffix_prefill_releases_it_and_keeps_the_prefix(tiny_pat
     stats = engine.stats()
     assert (stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0)
     assert (manager.gpu_index.num_cached, manager.host_index.num_cached, len(manager.cached)) == before
-    assert llm.generate([prompt], GREEDY)[0].token_ids == cold.generate([prompt], GREEDY)[0].token_ids
+    served_like_cold(llm, cold, prompt, GREEDY, monkeypatch)
     assert settled(engine)
 
 

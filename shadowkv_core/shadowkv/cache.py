@@ -148,9 +148,9 @@ class ShadowKVCache(KVCache):
         counts = before[..., [min(p * pc, st.num_shadow) for p in range(-(-st.num_shadow // pc) + 1)]]
         counts = counts.flatten(0, 1).T  # (pages + 1, L*Hkv)
         outliers_before = list(zip(counts.amax(1).tolist(), counts.amin(1).tolist()))
-        slot = st.slot
-        return (self.slots.sv[slot].cpu(), self.slots.outlier_k[slot, :, :, :O].cpu(),
-                self.slots.outlier_v[slot, :, :, :O].cpu(), outliers_before)
+        own = [buf[st.slot, ..., :rows, :].to("cpu", copy=True)  # copies: the slot is reused after the sequence
+               for buf, rows in ((self.slots.sv, None), (self.slots.outlier_k, O), (self.slots.outlier_v, O))]
+        return (*own, outliers_before)
 
     def _device_counts(self) -> tuple[int, torch.Tensor] | None:
         """The kernel path's counts of this decode forward (its plans': one per pipelined half): selections over
