@@ -2,6 +2,7 @@
 value pages, shared and reference-counted, with the basis and outliers of the sequence that indexed them) and
 prefills only its suffix. At full rank and a budget covering the context ShadowKV is exact, so a request served from
 the cache must give the cold request's greedy tokens; tiny model, fp32, CPU."""
+import dataclasses
 import math
 
 import pytest
@@ -227,6 +228,18 @@ def test_concurrent_cold_prefills_of_one_document_never_mix_their_bases(tiny_pat
     served_like_cold(llm, cold, turn, GREEDY, monkeypatch)
     assert 0 < seen[-1][0][0] <= 256  # a's document pages at most: b's answer pages are on another basis
     assert settled(engine)
+
+
+def test_value_pages_in_the_device_region_are_shared_and_returned_too(tiny_path, monkeypatch):
+    shadow = dataclasses.replace(EXACT, device_value_share=0.5)  # each sequence's first pages there
+    llm, cold_llm = engine_llm(tiny_path, shadow), engine_llm(tiny_path, shadow, enable_prefix_caching=False)
+    manager = shadow_of(llm.engine)
+    doc = tokens(300, 36)
+    llm.generate([doc + tokens(7, 37)], GREEDY)
+    assert manager.device_index.num_cached == 2 and manager.host_index.num_cached == 2 and consistent(manager)
+    served_like_cold(llm, cold_llm, doc + tokens(12, 38), GREEDY, monkeypatch)
+    assert llm.engine.stats()["prefix_hit_tokens"] == 4 * PAGE
+    assert settled(llm.engine)
 
 
 def host_gib(pages, manager):
