@@ -277,13 +277,15 @@ CONTEXT_BYTES = int(0.9 * GIB)
 def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int,
                             context_tokens: int = 0) -> int:
     """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer, after at most `context_tokens` cached ones
-    (a dense prefix: one layer's keys and values read from its blocks, and the prompt's own beside them)."""
+    (a dense prefix: one layer's keys and values read from its blocks, and the prompt's own beside them; a shadow
+    prefix: the same, its keys rebuilt in fp32 first)."""
     whole = prompt_tokens * WORKSPACE_HIDDEN_VECTORS * g.hidden_size * g.dtype_bytes
     shadow = prompt_tokens * 2 * g.kv_width * 4 if cfg is not None else 0
     quantize = prompt_tokens * g.kv_width * 4 if g.kv_cache_dtype == "fp8" else 0  # fp32 copy of keys, then values
     mlp_chunk = min(chunk_tokens, prompt_tokens) * 3 * g.intermediate_size * g.dtype_bytes  # gate, up, activation
     context = 2 * (context_tokens + prompt_tokens) * g.kv_width * g.dtype_bytes if context_tokens else 0
-    return whole + shadow + quantize + mlp_chunk + context
+    rebuild = 2 * context_tokens * g.kv_width * 4 if cfg is not None else 0  # U·SV, then its rotated copy
+    return whole + shadow + quantize + mlp_chunk + context + rebuild
 
 
 def decode_workspace_bytes(g: Geometry, num_seqs: int) -> int:

@@ -367,8 +367,7 @@ def test_the_memory_model_counts_what_a_prefill_after_a_cached_prefix_reads(tiny
     assert read and max(read[:engine.runner.num_layers]) == extra  # the prefill's layers read first
 
 
-def test_a_shadowkv_engine_caches_its_dense_sequences_prefixes_and_prefills_its_shadow_ones_whole(tiny_path,
-                                                                                                   monkeypatch):
+def test_a_shadowkv_engine_caches_the_prefixes_of_its_dense_and_its_shadow_sequences(tiny_path, monkeypatch):
     shadow = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
                             min_context=128, decode_window=16)  # full rank and budget: the dense tokens exactly
     llm = engine_llm(tiny_path, shadowkv=shadow)
@@ -378,7 +377,8 @@ def test_a_shadowkv_engine_caches_its_dense_sequences_prefixes_and_prefills_its_
     prompts = [short, short + [4, 5], long, long + [6]]
     want = [o.token_ids for o in cold_llm.generate(prompts, GREEDY)]
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == want
-    assert [s for s, _ in seen] == [[0], [48], [0], [0]]  # the long prompts are kept in shadows: no prefix cache
+    # the long prompt's shadow held two whole pages of 64 tokens (tests/test_shadowkv_prefix_cache.py: the shadow side)
+    assert [s for s, _ in seen] == [[0], [48], [0], [128]]
     assert llm.engine.clear_prefix_cache() > 0 and settled(llm.engine)
     assert llm.engine.stats()["host_bytes_in_use"] == 0
 
@@ -403,7 +403,7 @@ def test_a_request_asking_prompt_logprobs_prefills_whole_over_a_cached_prefix(ti
 
 def test_a_waiting_prompt_is_hashed_once_however_often_it_is_looked_up(tiny_path, monkeypatch):
     """Admission looks a waiting prompt up at every pass and again to allocate it: its block hashes are computed once."""
-    import shadowkv_core.cache.dense as dense
+    import shadowkv_core.cache.prefix as prefix
 
     hashed = []
 
@@ -411,7 +411,7 @@ def test_a_waiting_prompt_is_hashed_once_however_often_it_is_looked_up(tiny_path
         hashed.append(len(token_ids))
         return block_hashes(token_ids, block_size, parent)
 
-    monkeypatch.setattr(dense, "block_hashes", counting)
+    monkeypatch.setattr(prefix, "block_hashes", counting)
     llm = engine_llm(tiny_path)
     doc = tokens(70, 16)
     llm.generate([doc + tokens(4, 17)], GREEDY)

@@ -7,7 +7,6 @@ stored per layer (Hkv, rows): the decode kernel reads a block's keys' scales of 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
@@ -21,9 +20,7 @@ from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
 from .allocator import BlockAllocator
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
-from .prefix import ROOT, PrefixIndex, block_hashes
-
-RECENT_PROMPTS = 64  # prompts whose block hashes are kept: the waiting line's, typically
+from .prefix import ROOT, PrefixIndex, PromptHashes, block_hashes
 
 
 class DenseManager(CacheManager):
@@ -41,7 +38,7 @@ class DenseManager(CacheManager):
         self.shared_tokens: dict[int, int] = {}  # leading tokens held in indexed blocks: never written
         self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full blocks, indexed once it is prefilled
         self._chain: dict[int, tuple[int, bytes]] = {}  # blocks indexed after the prefill, and the last one's hash
-        self._recent: OrderedDict[int, tuple[list[int], list[bytes]]] = OrderedDict()  # id -> (prompt, its hashes)
+        self._prompt_hashes = PromptHashes(block_size)
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
         self.query_tokens = 0  # prompt tokens looked up: of the sequences allocated with their token ids
 
@@ -49,20 +46,9 @@ class DenseManager(CacheManager):
         return math.ceil(num_tokens / self.block_size)
 
     def _hashes(self, prompt_len: int, prompt_token_ids: list[int] | None) -> Iterator[bytes]:
-        """The prompt's block hashes, computed once per prompt list: a waiting prompt is looked up at every admission
-        pass and again when it is allocated."""
         if prompt_token_ids is None or not self.index.enabled:
             return iter(())
-        if len(prompt_token_ids) != prompt_len:
-            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens for a prompt of {prompt_len}")
-        held = self._recent.get(id(prompt_token_ids))
-        if held is None or held[0] is not prompt_token_ids:  # the entry holds its list, so the id is not reused
-            held = (prompt_token_ids, list(block_hashes(prompt_token_ids, self.block_size)))
-            self._recent[id(prompt_token_ids)] = held
-            while len(self._recent) > RECENT_PROMPTS:
-                self._recent.popitem(last=False)
-        self._recent.move_to_end(id(prompt_token_ids))
-        return iter(held[1])
+        return iter(self._prompt_hashes.of(prompt_len, prompt_token_ids))
 
     def _cached_prefix(self, prompt_len: int, hashes: Iterator[bytes]) -> list[int]:
         """The indexed blocks a prompt starts with; never its last token's block (its logits need a forward)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .allocator import BlockAllocator
 
 ROOT = b""  # the parent of a prompt's first block
+RECENT_PROMPTS = 64  # prompts whose block hashes are kept: the waiting line's, typically
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT) -> Iterator[bytes]:
@@ -26,14 +27,39 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT
         yield parent
 
 
+class PromptHashes:
+    """The block hashes of recent prompts, computed once per prompt list: a waiting prompt is looked up at every
+    admission pass and again when it is allocated."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._recent: OrderedDict[int, tuple[list[int], list[bytes]]] = OrderedDict()  # id -> (prompt, its hashes)
+
+    def of(self, prompt_len: int, prompt_token_ids: list[int]) -> list[bytes]:
+        if len(prompt_token_ids) != prompt_len:
+            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens for a prompt of {prompt_len}")
+        held = self._recent.get(id(prompt_token_ids))
+        if held is None or held[0] is not prompt_token_ids:  # the entry holds its list, so the id is not reused
+            held = (prompt_token_ids, list(block_hashes(prompt_token_ids, self.block_size)))
+            self._recent[id(prompt_token_ids)] = held
+            while len(self._recent) > RECENT_PROMPTS:
+                self._recent.popitem(last=False)
+        self._recent.move_to_end(id(prompt_token_ids))
+        return held[1]
+
+
 class PrefixIndex:
     """The units of `allocator`, reference-counted, and a map from block hash to the unit holding that block.
 
-    With `enabled` False nothing is ever indexed: units go back to the allocator as soon as no sequence holds them."""
+    With `enabled` False nothing is ever indexed: units go back to the allocator as soon as no sequence holds them.
+    on_evict(block_hash, unit) is told of each unit an `alloc` evicts (a caller whose blocks span several pools drops
+    the block's other units with `discard`)."""
 
-    def __init__(self, allocator: BlockAllocator, enabled: bool):
+    def __init__(self, allocator: BlockAllocator, enabled: bool,
+                 on_evict: Callable[[bytes, int], None] | None = None):
         self.allocator = allocator
         self.enabled = enabled
+        self.on_evict = on_evict
         self._refs: dict[int, int] = {}  # unit -> sequences holding it (absent: not held)
         self._unit_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
@@ -69,6 +95,10 @@ class PrefixIndex:
             units.append(self._unit_of[h])
         return units
 
+    def get(self, block_hash: bytes) -> int | None:
+        """The unit indexed as holding the block named block_hash, if any."""
+        return self._unit_of.get(block_hash)
+
     def num_evictable_among(self, units: list[int]) -> int:
         """How many of `units` (a lookup's) sit unreferenced, so that acquiring them takes them from num_available."""
         return sum(u in self._evictable for u in units)
@@ -89,23 +119,37 @@ class PrefixIndex:
                               f"free or evictable")
         while self.allocator.num_free < n:
             unit, _ = self._evictable.popitem(last=False)
-            del self._unit_of[self._hash_of.pop(unit)]
+            block_hash = self._hash_of.pop(unit)
+            del self._unit_of[block_hash]
             self.allocator.free([unit])
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block_hash, unit)
         units = self.allocator.alloc(n)
         for u in units:
             self._refs[u] = 1
         return units
 
-    def insert(self, block_hash: bytes, unit: int) -> None:
-        """Index a held unit as holding the block named block_hash (its contents final from now on). A block already
-        indexed keeps its unit (another sequence computed it first); this unit then stays private."""
+    def insert(self, block_hash: bytes, unit: int) -> bool:
+        """Index a held unit as holding the block named block_hash (its contents final from now on); whether it was.
+        A block already indexed keeps its unit (another sequence computed it first); this unit then stays private."""
         if unit not in self._refs:
             raise ValueError(f"unit {unit} is not held: only a held unit can be indexed")
         if not self.enabled or block_hash in self._unit_of or unit in self._hash_of:
-            return
+            return False
         self._unit_of[block_hash] = unit
         self._hash_of[unit] = block_hash
+        return True
+
+    def discard(self, block_hash: bytes) -> None:
+        """Forget the block named block_hash, if indexed: its unit returns to the allocator if no one holds it, else
+        when its last holder releases it."""
+        unit = self._unit_of.pop(block_hash, None)
+        if unit is None:
+            return
+        del self._hash_of[unit]
+        if self._evictable.pop(unit, 0) is None:
+            self.allocator.free([unit])
 
     def is_indexed(self, unit: int) -> bool:
         return unit in self._hash_of

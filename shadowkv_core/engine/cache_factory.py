@@ -23,16 +23,14 @@ HOST_HEADROOM = 0.8  # share of MemAvailable a default host store may take
 
 def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device, max_model_len: int) -> int:
     """Bytes the caches may take on the device: configured, or what is free after the weights minus the
-    memory model's workspace for the longest prefill (with prefix caching, after the longest cached dense prefix:
-    max_model_len tokens, or a hybrid's min_context)."""
+    memory model's workspace for the longest prefill (with prefix caching, after the longest cached prefix:
+    max_model_len tokens, dense or in shadows)."""
     if config.gpu_cache_gib is not None:
         return int(config.gpu_cache_gib * mm.GIB)
     if device.type != "cuda":
         return CPU_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    context = 0
-    if config.enable_prefix_caching:
-        context = max_model_len if config.shadowkv is None else config.shadowkv.min_context
+    context = max_model_len if config.enable_prefix_caching else 0
     workspace = (mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, config.prefill_chunk_tokens,
                                             context)
                  + mm.decode_workspace_bytes(g, config.max_num_seqs))
@@ -102,4 +100,5 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
                 "tokens (device value share %.3f)", pools.num_slots, pools.num_dense_blocks, pools.num_gpu_pages,
                 pools.num_host_pages, pools.num_device_value_pages, mm.page_tokens(cfg), cfg.device_value_share)
     dense = DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
-    return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement))
+    return HybridCache(cfg, dense, ShadowKVCache(cache_spec, cfg, pools, rotary, placement,
+                                                 config.enable_prefix_caching))

@@ -23,17 +23,18 @@ from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.manager import SequenceState, ShadowKVManager
 from shadowkv_core.shadowkv.pages import GpuPages
 from shadowkv_core.shadowkv.plan import DecodePlan, PageTables
-from shadowkv_core.shadowkv.prefill import build_shadow, prefill_layer
+from shadowkv_core.shadowkv.prefill import build_shadow, prefill_layer, prompt_keys_values
 from shadowkv_core.shadowkv.reference import chunk_landmarks
 from shadowkv_core.shadowkv.slots import Slots
 
 
 class ShadowKVCache(KVCache):
     """Buffers for `pools`' slots, GPU pages and value pages (host, and device for config.device_value_share).
-    `rotary` is the model's RotaryEmbedding: keys are rebuilt at their true positions."""
+    `rotary` is the model's RotaryEmbedding: keys are rebuilt at their true positions. prefix_caching: the
+    manager's (a custom chunk scorer turns it off: its per-slot state is built from the whole prompt)."""
 
     def __init__(self, spec: CacheSpec, config: ShadowKVConfig, pools: Pools, rotary,
-                 placement: NumaPlacement | None = None):
+                 placement: NumaPlacement | None = None, prefix_caching: bool = False):
         config.check_model(spec.num_kv_heads, spec.head_dim)
         self.spec, self.config, self.rotary, self.device = spec, config, rotary, spec.device
         self.gpu = GpuPages(spec, config, pools.num_gpu_pages)
@@ -44,7 +45,7 @@ class ShadowKVCache(KVCache):
         self.slots = Slots(spec, config, pools.num_slots)
         self.manager = ShadowKVManager(config, pools.num_slots, self.slots.slot_bytes, pools.num_gpu_pages,
                                        self.gpu.page_bytes, pools.num_host_pages, pools.num_device_value_pages,
-                                       self.host.page_bytes, self.device)
+                                       self.host.page_bytes, self.device, prefix_caching)
         self.counts = StepCounts(self.host.fetch_bytes())
         # the kernel path's value fetch and key rebuild run on two side streams, joined by events
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
@@ -53,17 +54,31 @@ class ShadowKVCache(KVCache):
         self.page_tables = PageTables(self.device)
         # selection-policy hook (quest.QuestScorer, baselines.StreamingScorer, baselines.SnapKVScorer): prefill(),
         # fold() and scores(); None: ShadowKV's landmarks
-        self.chunk_scorer = None
+        self._chunk_scorer = None
         self._plans: dict[int, tuple[AttentionMetadata, DecodePlan]] = {}  # this forward's, by metadata object
+
+    @property
+    def chunk_scorer(self):
+        return self._chunk_scorer
+
+    @chunk_scorer.setter
+    def chunk_scorer(self, scorer) -> None:
+        if scorer is not None:
+            self.manager.clear_prefix_cache()
+            for index in (self.manager.gpu_index, self.manager.host_index, self.manager.device_index):
+                index.enabled = False
+        self._chunk_scorer = scorer
 
     # ---- forward ----
 
     def _states(self, meta: AttentionMetadata) -> list[SequenceState]:
-        for seq_id, n, ctx in zip(meta.seq_ids, meta.query_lens, meta.context_lens):
-            if (meta.is_prefill and ctx != 0) or (not meta.is_prefill and n != 1):
-                raise ValueError(f"sequence {seq_id}: ShadowKV prefills whole prompts (context 0) and decodes one "
-                                 f"token at a time; got {n} tokens after {ctx}")
-        return [self.manager.seqs[seq_id] for seq_id in meta.seq_ids]
+        states = [self.manager.seqs[seq_id] for seq_id in meta.seq_ids]
+        for st, seq_id, n, ctx in zip(states, meta.seq_ids, meta.query_lens, meta.context_lens):
+            if (meta.is_prefill and ctx != st.cached) or (not meta.is_prefill and n != 1):
+                raise ValueError(f"sequence {seq_id}: ShadowKV prefills a whole prompt after its adopted prefix "
+                                 f"({st.cached} tokens) in one forward, whose slices see the earlier ones, and "
+                                 f"decodes one token at a time; got {n} tokens after {ctx}")
+        return states
 
     def _decodes_fast(self, meta: AttentionMetadata) -> bool:
         """Whether a forward decodes on the kernels (else: prefill, or the reference path, which a custom chunk
@@ -103,8 +118,10 @@ class ShadowKVCache(KVCache):
         return out if pending is None else end_decode_layer(self, pending)
 
     def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
-        self._states(meta)  # whole prompts only
-        return [(k_rot[start:start + n], v[start:start + n]) for start, n in zip(meta.query_starts, meta.query_lens)]
+        """Each prompt's keys and values after its adopted prefix's (rebuilt from U rows, SV and RoPE; values from
+        the value store): every attention slice of it sees [prefix | the prompt up to its end]."""
+        return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n])
+                for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens)]
 
     def prefill_attention(self, q, keys, values):
         return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention)
@@ -127,13 +144,28 @@ class ShadowKVCache(KVCache):
     def finish_forward(self, meta: AttentionMetadata) -> None:
         if not meta.is_prefill:
             self.counts.end_step(self._device_counts())
-        for st, n in zip(self._states(meta), meta.query_lens):
+        for seq_id, st, n in zip(meta.seq_ids, self._states(meta), meta.query_lens):
             st.seq_len += n
+            if meta.is_prefill and self.manager.prefix_caching:
+                self.manager.prefilled(seq_id, *self._record_of(st))
             if not meta.is_prefill:
                 st.window_len += 1
                 if st.window_len == self.slots.window_tokens:
                     self._fold(st)
         self._plans.clear()
+
+    def _record_of(self, st: SequenceState):
+        """A prefilled sequence's slot basis and outliers, on the host, and the most and fewest outliers a KV head of
+        a layer has in its first p pages, for every p: what manager.prefilled keeps for its pages."""
+        O, L, pc = st.num_outliers * self.config.chunk_size, self.spec.num_layers, self.config.page_chunks
+        flags = torch.stack([self.gpu.read_outliers(layer, st.gpu_table, st.num_shadow) for layer in range(L)])
+        before = torch.nn.functional.pad(flags.long().cumsum(-1), (1, 0))  # (L, Hkv, n + 1)
+        counts = before[..., [min(p * pc, st.num_shadow) for p in range(-(-st.num_shadow // pc) + 1)]]
+        counts = counts.flatten(0, 1).T  # (pages + 1, L*Hkv)
+        outliers_before = list(zip(counts.amax(1).tolist(), counts.amin(1).tolist()))
+        own = [buf[st.slot, ..., :rows, :].to("cpu", copy=True)  # copies: the slot is reused after the sequence
+               for buf, rows in ((self.slots.sv, None), (self.slots.outlier_k, O), (self.slots.outlier_v, O))]
+        return (*own, outliers_before)
 
     def _device_counts(self) -> tuple[int, torch.Tensor] | None:
         """The kernel path's counts of this decode forward (its plans': one per pipelined half): selections over

@@ -76,9 +76,12 @@ class GpuPages:
             return self.landmarks[layer][where]
         return self.landmarks[layer][where].float() * self.landmark_scales[layer][where][..., None]
 
-    def mark_outliers(self, layer: int, table: torch.Tensor, ids: torch.Tensor) -> None:
-        """Flag chunk ids (Hkv, O) as their KV head's outliers (after their landmarks are written)."""
-        heads = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    def mark_outliers(self, layer: int, table: torch.Tensor, ids: torch.Tensor,
+                      heads: torch.Tensor | None = None) -> None:
+        """Flag chunk ids (Hkv, O) as their KV head's outliers (after their landmarks are written); or ids (M,) as
+        outliers of the KV heads `heads` (M,)."""
+        if heads is None:
+            heads = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
         page, offset = locate(table, ids, self.page_chunks)
         self.outlier_flags[layer, page, offset, heads] = 1
 

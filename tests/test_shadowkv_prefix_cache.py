@@ -1,0 +1,414 @@
+"""Prefix caching of sequences kept in shadows: a prompt over cached pages adopts them (GPU U-row/landmark pages and
+value pages, shared and reference-counted, with the basis and outliers of the sequence that indexed them) and
+prefills only its suffix. At full rank and a budget covering the context ShadowKV is exact, so a request served from
+the cache must give the cold request's greedy tokens; tiny model, fp32, CPU."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core.models.prefill_cost import PrefillBudget
+from shadowkv_core.tiny_model import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+DECODING = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)  # a request decoding beside a prefill
+# full rank (Hkv * head_dim = 2 * 16) and a sparse budget covering every context here; pages of 64 tokens
+EXACT = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2, min_context=128,
+                       decode_window=16)
+PAGE = 64
+
+
+def tokens(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1))
+
+
+def engine_llm(tiny_path, shadow=EXACT, **kwargs):
+    return LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, shadowkv=shadow, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_path):
+    return engine_llm(tiny_path, enable_prefix_caching=False)
+
+
+def record_prefills(engine, monkeypatch):
+    """(context_lens, query_lens) of every prefill job the engine starts."""
+    seen = []
+    start = engine.runner.start_prefill
+
+    def spy(seqs):
+        job = start(seqs)
+        seen.append((list(job.meta.context_lens), list(job.meta.query_lens)))
+        return job
+
+    monkeypatch.setattr(engine.runner, "start_prefill", spy)
+    return seen
+
+
+def record_logits(engine, monkeypatch):
+    """The last-token logits (B, vocab) of every prefill the engine finishes."""
+    seen = []
+    advance = engine.runner.advance_prefill
+
+    def spy(job, flops):
+        out = advance(job, flops)
+        if out is not None:
+            seen.append(out.clone())
+        return out
+
+    monkeypatch.setattr(engine.runner, "advance_prefill", spy)
+    return seen
+
+
+def served_like_cold(llm, cold_llm, prompt, params, monkeypatch):
+    """llm's tokens for the prompt, once checked against cold_llm's, and its prefill's last-token logits too (a tiny
+    model's greedy tokens would hide small errors in the keys)."""
+    with monkeypatch.context() as m:
+        got_logits, want_logits = record_logits(llm.engine, m), record_logits(cold_llm.engine, m)
+        got = llm.generate([prompt], params)[0].token_ids
+        assert got == cold_llm.generate([prompt], params)[0].token_ids
+    torch.testing.assert_close(got_logits[-1], want_logits[-1], rtol=1e-4, atol=1e-4)
+    return got
+
+
+def shadow_of(engine):
+    return engine.cache.manager.shadow
+
+
+def indexes(manager):
+    return manager.gpu_index, manager.host_index, manager.device_index
+
+
+def consistent(manager):
+    """Each indexed page's GPU page and value page are indexed together, and named with a record."""
+    gpu, host, device = indexes(manager)
+    return len(manager.cached) == gpu.num_cached == host.num_cached + device.num_cached
+
+
+def settled(engine):
+    """Every pool of both sides back to its baseline once the cache is cleared: nothing held, indexed or recorded."""
+    engine.clear_prefix_cache()
+    shadow, dense = shadow_of(engine), engine.cache.manager.dense
+    pools = (shadow.slots, shadow.gpu_pages, shadow.host_pages, shadow.device_value_pages, dense.blocks)
+    stats = engine.stats()
+    return (all(p.num_free == p.num_blocks for p in pools)
+            and all(i.num_in_use == 0 and i.num_cached == 0 for i in indexes(shadow) + (dense.index,))
+            and not shadow.seqs and not shadow.cached
+            and (stats["num_running"], stats["num_seqs"], stats["gpu_bytes_in_use"], stats["host_bytes_in_use"],
+                 stats["prefix_cached_bytes"]) == (0, 0, 0, 0, 0))
+
+
+def run_all(engine):
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return outs
+
+
+def test_prompts_over_a_cached_shadow_prefix_prefill_only_their_suffix_and_give_the_cold_tokens(tiny_path, cold,
+                                                                                              monkeypatch):
+    llm = engine_llm(tiny_path)
+    seen = record_prefills(llm.engine, monkeypatch)
+    logits = record_logits(llm.engine, monkeypatch)
+    doc = tokens(300, 1)  # its shadow holds four whole pages
+    prompts = [doc + tokens(7, 2), doc + tokens(9, 3), doc + tokens(40, 4)]
+    with monkeypatch.context() as m:
+        cold_logits = record_logits(cold.engine, m)
+        want = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert llm.generate([prompts[0]], GREEDY)[0].token_ids == want[0]
+    llm.generate([tokens(200, 35)], GREEDY)  # another sequence's prefill overwrites the slot the document's had
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[1:]] == want[1:]
+    assert seen == [([0], [307]), ([0], [200]), ([256], [53]), ([256], [84])]
+    for got, cold_one in zip(logits[2:], cold_logits[1:]):  # the readers' first tokens: the same distribution
+        torch.testing.assert_close(got, cold_one, rtol=1e-4, atol=1e-4)
+    stats = llm.engine.stats()
+    assert stats["prefix_hit_tokens"] == 512 and stats["prefix_query_tokens"] == 307 + 200 + 309 + 340
+    assert consistent(shadow_of(llm.engine)) and stats["prefix_cached_bytes"] > 0
+    assert settled(llm.engine)
+
+
+def test_a_conversation_reuses_each_turns_prompt_and_answer(tiny_path, cold, monkeypatch):
+    """Three turns, each the last one's prompt and answer and a few new tokens: each turn adopts the pages the last
+    one's answer filled too (folded into the shadow as it was generated), and gives the cold tokens."""
+    shadow = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=2, local_chunks=2,
+                            min_context=128, decode_window=16, page_chunks=4)  # pages of 16 tokens
+    llm, cold_llm = engine_llm(tiny_path, shadow), engine_llm(tiny_path, shadow, enable_prefix_caching=False)
+    seen = record_prefills(llm.engine, monkeypatch)
+    answer = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    prompt = tokens(150, 5)
+    for turn in range(3):
+        got = served_like_cold(llm, cold_llm, prompt, answer, monkeypatch)
+        previous, prompt = prompt, prompt + got + tokens(6, 6 + turn)
+    contexts = [c for (c,), _ in seen]
+    assert contexts[0] == 0 and contexts[1] > 0 and contexts[2] > contexts[1]
+    # more than the pages of the earlier turn's prompt alone: the answer's pages were adopted too
+    assert contexts[2] > (len(previous) - len(got) - 6) // 16 * 16
+    assert all(c % 16 == 0 for c in contexts)
+    assert settled(llm.engine)
+
+
+def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold):
+    llm = engine_llm(tiny_path)
+    engine = llm.engine
+    doc = tokens(280, 7)
+    prompts = {"a": doc + tokens(3, 8), "b": doc + tokens(12, 9), "c": doc + tokens(9, 10)}
+    want = dict(zip(prompts, (o.token_ids for o in cold.generate(list(prompts.values()), GREEDY))))
+    engine.add_request("a", prompts["a"], GREEDY)
+    engine.step()  # a's prefill runs and indexes the whole pages of its shadow; it now decodes
+    engine.add_request("b", prompts["b"], GREEDY)
+    engine.add_request("c", prompts["c"], GREEDY)
+    outs = {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    manager = shadow_of(engine)
+    seqs = [manager.seqs[i] for i in range(3)]
+    shared = seqs[0].gpu_pages[:4]
+    assert [st.cached for st in seqs] == [0, 256, 256]
+    assert all(st.gpu_pages[:4] == shared and st.value_pages[:4] == seqs[0].value_pages[:4] for st in seqs)
+    assert [manager.gpu_index.refs(p) for p in shared] == [3] * 4
+    assert len({p for st in seqs for p in st.gpu_pages[4:]}) == sum(len(st.gpu_pages) - 4 for st in seqs)
+    # shared pages count once
+    held = len(shared) + sum(len(st.gpu_pages) - 4 for st in seqs)
+    stats = engine.stats()
+    assert stats["host_bytes_in_use"] == held * manager.host_pages.unit_bytes
+    assert stats["gpu_bytes_in_use"] == held * manager.gpu_pages.unit_bytes + 3 * manager.slots.unit_bytes
+    outs.update(run_all(engine))
+    assert outs == want
+    assert settled(engine)
+
+
+def test_a_prefix_ending_mid_page_reuses_the_whole_pages_before_it(tiny_path, cold, monkeypatch):
+    llm = engine_llm(tiny_path)
+    seen = record_prefills(llm.engine, monkeypatch)
+    doc = tokens(300, 11)
+    llm.generate([doc], GREEDY)
+    prompt = doc[:150] + tokens(60, 12)  # shares two whole pages and 22 tokens of the third
+    served_like_cold(llm, cold, prompt, GREEDY, monkeypatch)
+    assert seen[1] == ([128], [82])
+    assert settled(llm.engine)
+
+
+def test_the_page_of_the_prompts_last_token_is_never_adopted(tiny_path, monkeypatch):
+    """Without outliers every cached page of a run is adoptable (no KV head has fewer to make up)."""
+    shadow = ShadowKVConfig(rank=32, chunk_size=4, sparse_budget=4096, outlier_chunks=0, local_chunks=2,
+                            min_context=128, decode_window=16)
+    llm, cold_llm = engine_llm(tiny_path, shadow), engine_llm(tiny_path, shadow, enable_prefix_caching=False)
+    seen = record_prefills(llm.engine, monkeypatch)
+    doc = tokens(300, 11)
+    llm.generate([doc], GREEDY)
+    manager = shadow_of(llm.engine)
+    assert manager.cached_prefix_len(4 * PAGE, 10, doc[:4 * PAGE]) == 3 * PAGE  # its last token is in page 4
+    exact = doc[:4 * PAGE + 1]  # its last token opens page 5: four pages adopted, one token prefilled
+    served_like_cold(llm, cold_llm, exact, GREEDY, monkeypatch)
+    assert seen[1] == ([4 * PAGE], [1])
+    assert settled(llm.engine)
+
+
+def test_concurrent_cold_prefills_of_one_document_never_mix_their_bases(tiny_path, cold, monkeypatch):
+    """Two prompts over one document prefilled cold together: the first indexes the document's pages, the second's
+    stay private (its U rows are on its own basis). A later turn over the second's prompt and answer must not adopt
+    the first's pages with the second's basis: it adopts what one record describes, and gives the cold tokens."""
+    llm = engine_llm(tiny_path)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    doc = tokens(260, 13)
+    long = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    prompts = {"a": doc + tokens(30, 14), "b": doc + tokens(30, 15)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, long)
+    answers = run_all(engine)
+    assert seen == [([0, 0], [290, 290])]
+    manager = shadow_of(engine)
+    lineages = {record.lineage for _, record in manager.cached.values()}
+    assert len(lineages) == 2  # b indexed the pages its answer filled, under its own record
+    turn = prompts["b"] + answers["b"] + tokens(5, 16)
+    served_like_cold(llm, cold, turn, GREEDY, monkeypatch)
+    assert 0 < seen[-1][0][0] <= 256  # a's document pages at most: b's answer pages are on another basis
+    assert settled(engine)
+
+
+def test_value_pages_in_the_device_region_are_shared_and_returned_too(tiny_path, monkeypatch):
+    shadow = dataclasses.replace(EXACT, device_value_share=0.5)  # each sequence's first pages there
+    llm, cold_llm = engine_llm(tiny_path, shadow), engine_llm(tiny_path, shadow, enable_prefix_caching=False)
+    manager = shadow_of(llm.engine)
+    doc = tokens(300, 36)
+    llm.generate([doc + tokens(7, 37)], GREEDY)
+    assert manager.device_index.num_cached == 2 and manager.host_index.num_cached == 2 and consistent(manager)
+    served_like_cold(llm, cold_llm, doc + tokens(12, 38), GREEDY, monkeypatch)
+    assert llm.engine.stats()["prefix_hit_tokens"] == 4 * PAGE
+    assert settled(llm.engine)
+
+
+def host_gib(pages, manager):
+    return pages * manager.host_pages.unit_bytes / 2**30
+
+
+def test_a_prefix_in_use_is_never_evicted_and_a_sharer_still_fits(tiny_path):
+    probe = engine_llm(tiny_path)
+    llm = engine_llm(tiny_path, host_cache_gib=host_gib(8, shadow_of(probe.engine)))  # 8 host value pages
+    engine = llm.engine
+    manager = shadow_of(engine)
+    assert manager.host_pages.num_blocks == 8
+    doc = tokens(300, 17)
+    engine.add_request("a", doc + tokens(7, 18), GREEDY)  # five pages; after its prefill, four of them indexed
+    engine.step()
+    other = tokens(300, 19)
+    assert not manager.can_allocate(307, 10, other + tokens(7, 20))
+    with pytest.raises(MemoryError, match="host value pages"):
+        manager.allocate(99, 307, 10, other + tokens(7, 20))
+    assert manager.host_index.evictions == manager.gpu_index.evictions == 0 and manager.gpu_index.num_cached == 4
+    sharer = doc + tokens(9, 21)
+    assert manager.can_allocate(309, 10, sharer)  # adopting the four, it needs one fresh page of the three free
+    engine.add_request("b", sharer, GREEDY)
+    engine.step()
+    assert manager.seqs[1].cached == 256 and [manager.gpu_index.refs(p) for p in manager.seqs[0].gpu_pages] == \
+        [2, 2, 2, 2, 1]
+    run_all(engine)
+    assert settled(engine)
+
+
+def test_cached_pages_never_refuse_a_request_and_evict_their_gpu_and_value_pages_together(tiny_path):
+    probe = engine_llm(tiny_path)
+    llm = engine_llm(tiny_path, host_cache_gib=host_gib(7, shadow_of(probe.engine)))
+    engine = llm.engine
+    manager = shadow_of(engine)
+    doc = tokens(300, 22)
+    llm.generate([doc + tokens(7, 23)], GREEDY)
+    assert manager.host_index.num_cached == 4 and engine.stats()["host_bytes_in_use"] == 0  # cached: free to take
+    other = tokens(300, 24) + tokens(7, 25)  # five host pages of seven: three free, two evicted (the document's tail)
+    assert manager.can_allocate(307, 10, other)
+    llm.generate([other], GREEDY)
+    assert manager.host_index.evictions == 2 and manager.gpu_index.evictions == 0
+    assert manager.gpu_index.num_cached == 2 + 4 and consistent(manager)  # the evicted pages' GPU pages went too
+    assert manager.cached_prefix_len(307, 10, doc + tokens(7, 23)) == 2 * PAGE  # the head is still cached
+    assert settled(engine)
+
+
+def test_abort_during_a_suffix_prefill_releases_it_and_keeps_the_prefix(tiny_path, cold, monkeypatch):
+    # about 16 rows of the tiny model's projection per step: beside a decode, an 84-token suffix takes several steps
+    llm = engine_llm(tiny_path, prefill_step_tflop=2.5e-7)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    doc = tokens(300, 26)
+    llm.generate([doc + [1]], GREEDY)
+    manager = shadow_of(engine)
+    before = (manager.gpu_index.num_cached, manager.host_index.num_cached, len(manager.cached))
+    engine.add_request("busy", tokens(5, 39), DECODING)  # kept dense
+    engine.step()
+    prompt = doc + tokens(40, 27)
+    engine.add_request("doomed", prompt, GREEDY)
+    engine.step()
+    assert engine.prefill_job is not None and [s.request_id for s in engine.prefill_job.seqs] == ["doomed"]
+    assert seen[-1] == ([256], [84])
+    engine.abort("doomed")
+    engine.abort("busy")
+    assert engine.prefill_job is None and not manager.seqs
+    stats = engine.stats()
+    assert (stats["gpu_bytes_in_use"], stats["host_bytes_in_use"]) == (0, 0)
+    assert (manager.gpu_index.num_cached, manager.host_index.num_cached, len(manager.cached)) == before
+    served_like_cold(llm, cold, prompt, GREEDY, monkeypatch)
+    assert settled(engine)
+
+
+def test_a_suffix_prefill_sliced_over_many_steps_beside_decodes_gives_the_cold_tokens(tiny_path, cold, monkeypatch):
+    """The suffix after an adopted prefix prefills by slices of a layer, a few per step, while a dense and a ShadowKV
+    request decode: each attention slice sees the rebuilt prefix and the suffix so far, and the layer's end appends
+    the suffix to the adopted shadow, so its tokens and last-token logits are the cold ones."""
+    llm = engine_llm(tiny_path)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    logits = record_logits(engine, monkeypatch)
+    doc = tokens(300, 40)
+    llm.generate([doc + [1]], GREEDY)
+    for rid, prompt in (("dense", tokens(12, 41)), ("shadow", tokens(150, 42))):
+        engine.add_request(rid, prompt, DECODING)
+    while sorted(o.request_id for o in engine.step()) != ["dense", "shadow"]:  # both prefilled whole, decoding
+        pass
+    rows = PrefillBudget(engine.model.rank_spec).projection_row * 8  # 8 rows' worth of a layer per step
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows / 1e12)
+    prompt = doc + tokens(70, 43)
+    engine.add_request("suffix", prompt, GREEDY)
+    prefilling, outs = 0, {}
+    while "suffix" in engine.requests:
+        got = engine.step()
+        outs.update({o.request_id: o.token_ids for o in got if o.finished})
+        if engine.prefill_job is not None:
+            prefilling += 1
+            assert sorted(o.request_id for o in got) == ["dense", "shadow"]  # each decode's token, every step
+    with monkeypatch.context() as m:
+        cold_logits = record_logits(cold.engine, m)
+        assert outs["suffix"] == cold.generate([prompt], GREEDY)[0].token_ids
+    assert seen[-1] == ([256], [114])  # four adopted pages: only the suffix prefills
+    assert prefilling > 2 * 2 * 114 // 8  # two layers' projection and MLP rows alone take a step per 8 rows
+    torch.testing.assert_close(logits[-1], cold_logits[-1], rtol=1e-4, atol=1e-4)
+    engine.abort("dense")
+    engine.abort("shadow")
+    assert settled(engine)
+
+
+def test_bad_input_is_refused_as_before_and_changes_nothing_cached(tiny_path):
+    llm = engine_llm(tiny_path)
+    engine = llm.engine
+    doc = tokens(300, 28)
+    llm.generate([doc], GREEDY)
+    before = engine.stats()
+    for prompt, params, field in ((doc + [10_000], GREEDY, "prompt"), (doc * 2, GREEDY, "prompt"),
+                                  (doc, SamplingParams(max_tokens=480), "max_tokens")):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", prompt, params)
+    assert engine.stats() == before and "bad" not in engine.requests
+    assert settled(engine)
+
+
+def test_a_request_asking_prompt_logprobs_prefills_whole_over_a_cached_shadow_prefix(tiny_path, monkeypatch):
+    llm = engine_llm(tiny_path)
+    seen = record_prefills(llm.engine, monkeypatch)
+    doc = tokens(300, 29)
+    llm.generate([doc + [1]], GREEDY)
+    llm.generate([doc + [2, 3]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
+    assert seen == [([0], [301]), ([0], [302])]
+    assert settled(llm.engine)
+
+
+def test_prefix_caching_off_keeps_no_shadow_page(tiny_path, monkeypatch):
+    llm = engine_llm(tiny_path, enable_prefix_caching=False)
+    seen = record_prefills(llm.engine, monkeypatch)
+    doc = tokens(300, 30)
+    llm.generate([doc], GREEDY)
+    llm.generate([doc + [3]], GREEDY)
+    assert seen == [([0], [300]), ([0], [301])]
+    manager = shadow_of(llm.engine)
+    assert manager.gpu_index.num_cached == 0 and not manager.cached and manager.gpu_pages.num_free == \
+        manager.gpu_pages.num_blocks
+
+
+def test_at_low_rank_and_budget_adoption_runs_and_its_logits_are_finite(tiny_path, monkeypatch):
+    shadow = ShadowKVConfig(rank=4, chunk_size=4, sparse_budget=8, outlier_chunks=2, local_chunks=2,
+                            min_context=128, decode_window=16)
+    llm = engine_llm(tiny_path, shadow)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    logits = []
+    advance = engine.runner.advance_prefill
+
+    def spy(job, flops):
+        out = advance(job, flops)
+        if out is not None:
+            logits.append(out)
+        return out
+
+    monkeypatch.setattr(engine.runner, "advance_prefill", spy)
+    doc = tokens(300, 31)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # decodes fold the window
+    llm.generate([doc + tokens(5, 32)], params)
+    outs = llm.generate([doc + tokens(20, 33), doc + tokens(30, 34)], params)
+    assert [c for c, _ in seen[1:]] == [[256, 256]]
+    assert all(len(o.token_ids) == 30 for o in outs)
+    assert logits and all(torch.isfinite(x).all() for x in logits)
+    assert math.isclose(engine.stats()["prefix_hit_tokens"], 512)
+    assert settled(engine)
