@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention import HEAD_DIMS, prefill_attention
 from shadowkv_core.config import AUTO
 
 
@@ -58,13 +58,15 @@ def _scores_never_exist(q: torch.Tensor) -> bool:
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     implementation: str = "sdpa") -> torch.Tensor:
     """attention_ref(q, k, v, scale, causal=True), the queries being the last n_q of the keys, by one of
-    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention), or "auto": "cudnn" for a chunk after earlier keys
-    on CUDA in half precision, else "sdpa". "sdpa", attention_ref itself (SDPA with a
+    config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention), or "auto": "triton" for a chunk after earlier keys
+    on CUDA in half precision (head dims it takes), else "sdpa". "sdpa", attention_ref itself (SDPA with a
     causal_lower_right bias); "sdpa_split", prefill_attention_split by SDPA's flash kernel; "cudnn", the same split
     by its cuDNN kernel (CUDA); "triton", kernels/prefill_attention.py (CUDA, or Triton's interpreter; head dims 64
     and 128)."""
-    if implementation == AUTO:  # the fastest measured: flash on a square causal block, the cuDNN split after a prefix
-        implementation = "cudnn" if _scores_never_exist(q) and k.shape[0] > q.shape[0] else "sdpa"
+    if implementation == AUTO:  # SDPA on a square causal block; after earlier keys the Triton kernel, whose compiled
+        # launch serves every shape (cuDNN builds a plan per new query and key count: every chunk of a prefill)
+        after_keys = _scores_never_exist(q) and k.shape[0] > q.shape[0] and q.shape[-1] in HEAD_DIMS
+        implementation = "triton" if after_keys else "sdpa"
     if implementation == "sdpa_split":
         return prefill_attention_split(q, k, v, scale)
     if implementation == "cudnn":

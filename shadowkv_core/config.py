@@ -116,10 +116,11 @@ class EngineConfig:
         step). With nothing decoding a prefill always runs whole. The default is about 20 ms at a few hundred
         TFLOP/s.
     prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "auto"
-        (the default: "cudnn" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
+        (the default: "triton" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
         whole prompt by its flash kernel, a chunk after a prefix with a causal_lower_right bias), "sdpa_split" (the
         keys before the chunk and its causal diagonal, merged by log-sum-exp, by SDPA's flash kernel), "cudnn" (the
-        same split by its cuDNN kernel; CUDA only) or "triton" (kernels/prefill_attention.py, head dims 64 and 128). Equal up to rounding.
+        same split by its cuDNN kernel; CUDA only) or "triton" (kernels/prefill_attention.py, head dims 64 and 128).
+        Equal up to rounding.
     max_waiting: requests queued beyond the running batch; more are refused (no unbounded queue).
     shadowkv: None keeps every sequence dense (full attention).
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
