@@ -13,10 +13,9 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
                     A window stored (N, E, Hkv, d) is passed as its .transpose(1, 2); a dense pool (rows, Hkv, d)
                     as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
   scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment), any
-                    strides (a dense pool's (rows, Hkv) scales as .T[None], (Hkv, rows) ones as [None]), or
-                    (N, Hkv, T_0 // page_size) with page_scales; keys and values enter the dots as their e4m3 values
-                    in q's dtype (exact), or as e4m3 operands (keys with fp8_dots 1, both with 2); the key scales
-                    multiply the fp32 scores and the value scales the softmax weights
+                    strides (a dense pool's (Hkv, rows) scales, the cache's layout, as [None]); keys and values enter
+                    the dots as their e4m3 values in q's dtype (exact), the key scales multiply the fp32 scores and
+                    the value scales the softmax weights
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
@@ -25,8 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
-from kernels.online_softmax import (e4m3_low_term, online_softmax_step, online_softmax_step_e4m3, online_softmax_step_t,
-                                    to_e4m3)
+from kernels.online_softmax import online_softmax_step
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -52,8 +50,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
                   stride_2n, stride_2h, stride_2t, stride_sn, stride_sh, stride_st, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PAGE_SCALES: tl.constexpr, FP8_DOTS: tl.constexpr,
-                  FP8_TERMS: tl.constexpr, KEYS_MAJOR: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -69,18 +66,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     base2 = slot * stride_2n + h * stride_2h
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    if KEYS_MAJOR:  # (HEAD_DIM, GROUP_PAD): the dots' M is BLOCK_N or HEAD_DIM, a multiple of Hopper's wgmma's 64
-        acc = tl.zeros([HEAD_DIM, GROUP_PAD], dtype=tl.float32)
-    else:
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    if FP8_DOTS > 0:  # q to e4m3, one scale per query head (its largest magnitude to 448); padded rows stay 0
-        q32 = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30) / 448.0
-        q32 = q32 / q_scale[:, None]
-        q = to_e4m3(q32, EMULATE_E4M3)
-        if FP8_TERMS > 1:
-            q_lo = e4m3_low_term(q32, q, EMULATE_E4M3)
-        s_scale = q_scale * scale_log2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         valid = t < hi
@@ -89,42 +75,13 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             rows = base0 + row0 * stride_0t
             k = tl.load(k0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v0_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if PAGE_SCALES:
-                s_rows = slot * stride_sn + h * stride_sh + (row0 // PAGE_SIZE) * stride_st
-            else:
-                s_rows = slot * stride_sn + h * stride_sh + row0 * stride_st
+            s_rows = slot * stride_sn + h * stride_sh + row0 * stride_st
             k_scale = tl.load(ks_ptr + s_rows, mask=valid, other=0.0)
             v_scale = tl.load(vs_ptr + s_rows, mask=valid, other=0.0)
             # the scales ride on the (GROUP_PAD, BLOCK_N) scores and weights, not on the (BLOCK_N, d) tiles
-            if KEYS_MAJOR:  # scores (BLOCK_N, GROUP_PAD) = k·q^T, the output (HEAD_DIM, GROUP_PAD) += v^T·p^T
-                if FP8_DOTS > 0:
-                    s = tl.dot(k, tl.trans(q))
-                    if FP8_TERMS > 1:
-                        s += tl.dot(k, tl.trans(q_lo)) * 0.0625
-                    s = tl.where(valid[:, None], s * k_scale[:, None] * s_scale[None, :], float("-inf"))
-                else:
-                    s = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
-                    s = tl.where(valid[:, None], s * (k_scale * scale_log2)[:, None], float("-inf"))
-                if FP8_DOTS > 1:
-                    acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v, v_scale, DOT_PRECISION, True,
-                                                          FP8_TERMS, EMULATE_E4M3)
-                else:
-                    acc, m_i, l_i = online_softmax_step_t(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty), v_scale,
-                                                          DOT_PRECISION, False, 1, EMULATE_E4M3)
-            else:
-                if FP8_DOTS > 0:
-                    s = tl.dot(q, tl.trans(k))
-                    if FP8_TERMS > 1:
-                        s += tl.dot(q_lo, tl.trans(k)) * 0.0625
-                    s = tl.where(valid[None, :], s * s_scale[:, None] * k_scale[None, :], float("-inf"))
-                else:
-                    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                    s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
-                if FP8_DOTS > 1:
-                    acc, m_i, l_i = online_softmax_step_e4m3(acc, m_i, l_i, s, v, v_scale, FP8_TERMS, EMULATE_E4M3)
-                else:
-                    acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q_ptr.dtype.element_ty),
-                                                        DOT_PRECISION, v_scale)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), DOT_PRECISION, v_scale)
         else:
             in1, row1 = _segment_rows(t, n0, n1, table_ptr, 0)
             in2, row2 = _segment_rows(t, n0 + n1, n2, table_ptr, 0)
@@ -137,8 +94,6 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(valid[None, :], s, float("-inf"))
             acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
-    if KEYS_MAJOR:
-        acc = tl.trans(acc)
     part = b * stride_pb + heads * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
@@ -164,30 +119,17 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, str
     tl.store(out_ptr + b * stride_ob + hq * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def fp8_dots_supported(device: torch.device) -> bool:
-    """Whether decode_attention's fp8_dots compile for the device: e4m3 casts and dots need sm89 or later (the
-    interpreter emulates them)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
                      page_size: int = 0, block_n: int | None = None, split_tokens: int | None = None,
-                     scales: tuple[torch.Tensor, torch.Tensor] | None = None, page_scales: bool = False,
-                     fp8_dots: int = 0, fp8_terms: int = 1, keys_major: bool = False,
-                     programs_per_sm: int | None = None, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None, programs_per_sm: int | None = None,
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
     block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for
     programs_per_sm programs on every SM. fp8 pools take wider steps and more programs: half the bytes per key leave
     each program more latency to hide.
-    scales (fp8 pools): any strides, the same for both; page_scales: one scale per (page, KV head), scales
-    (N, Hkv, T_0 // page_size). fp8_dots: 1 takes q·k as an e4m3 dot (q quantised per head, its largest magnitude to
-    448), 2 also p·v (see online_softmax_step_e4m3); 0 takes both in q's dtype. fp8_terms 2: q (and the weights) as
-    two e4m3 terms, two dots each (about 7 mantissa bits instead of 3: e4m3_low_term). keys_major (fp8 pools): the dots
-    transposed, scores (keys, heads) and output (d, heads), so that their M is a multiple of 64 (Hopper's wgmma, and
-    its native e4m3) where the GQA group is not. num_warps, num_stages: the split kernel's launch (num_stages None:
-    Triton's default)."""
+    scales (fp8 pools): any strides, the same for both. num_warps, num_stages: the split kernel's launch (num_stages
+    None: Triton's default)."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
@@ -207,15 +149,8 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     else:
         pool = segments[0][0]
         assert len(segments) == 1, "fp8 keys and values: one segment"
-        shape = pool.shape[:3]
-        if page_scales:
-            assert page_size > 0 and shape[2] % page_size == 0, (shape, page_size)
-            shape = (shape[0], shape[1], shape[2] // page_size)
         for sc in scales:
-            assert sc.dtype == torch.float32 and sc.shape == shape and sc.stride() == scales[0].stride(), sc.shape
-    assert scales[0].dim() == 3 or not (page_scales or fp8_dots or keys_major), "fp8 pools' options"
-    assert fp8_dots in (0, 1, 2) and (not fp8_dots or fp8_dots_supported(q.device)), fp8_dots
-    assert fp8_terms in (1, 2) and (fp8_terms == 1 or fp8_dots), fp8_terms
+            assert sc.dtype == torch.float32 and sc.shape == pool.shape[:3] and sc.stride() == scales[0].stride()
     Hkv = segments[0][0].shape[1]
     G = Hq // Hkv
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
@@ -246,8 +181,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         k2.stride(0), k2.stride(1), k2.stride(2), *stride_s, page_table.stride(0), part_m.stride(0),
         part_acc.stride(0), GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, PAGE_SCALES=page_scales,
-        FP8_DOTS=fp8_dots, FP8_TERMS=fp8_terms, KEYS_MAJOR=keys_major, EMULATE_E4M3=not q.is_cuda, **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)
