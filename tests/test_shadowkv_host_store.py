@@ -122,3 +122,21 @@ def test_device_region_pages_write_and_gather_as_the_host(fp8):
     for layer in range(2):
         torch.testing.assert_close(tiered.gather(layer, moved, chunks[:3], heads[:3], 4),
                                    tiered.gather(layer, table, chunks[:3], heads[:3], 4), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gather_to_the_gpu_reads_each_region_where_it_lives(fp8):
+    """gather(device="cuda") over pages in both regions (the device region on the GPU) returns what the host gather
+    returns, on the GPU."""
+    torch.manual_seed(8)
+    kw = dict(value_format="fp8", chunk_size=4) if fp8 else {}
+    store = make_store(num_pages=4, num_device_pages=3, pin=True, device="cuda", **kw)
+    table = torch.tensor([4, 5, 2, 0, 3])
+    store.write(slice(None), table, 4, torch.randn(2, 36, 2, 4, device="cuda"))
+    chunks, heads = torch.tensor([1, 3, 4, 9, 2]), torch.tensor([0, 1, 1, 0, 1])
+    for layer in range(2):
+        got = store.gather(layer, table, chunks, heads, 4, device="cuda")
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), store.gather(layer, table, chunks, heads, 4), rtol=0, atol=0)
+    store.close()

@@ -128,8 +128,10 @@ class HostValueStore:
                     self._written.record()
 
     def gather(self, layer: int, table: torch.Tensor, chunk_ids: torch.Tensor, heads: torch.Tensor,
-               chunk_size: int) -> torch.Tensor:
-        """Values (M, C, d), on the host, of M (chunk, KV head) pairs of one sequence, in the model's dtype."""
+               chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Values (M, C, d), on `device` (the host by default), of M (chunk, KV head) pairs of one sequence, in the
+        model's dtype. Each region gathers where it lives and only its gathered values move: a prefix read to the
+        GPU never sends the device region's values through the host."""
         if self._written is not None:
             self._written.synchronize()
         chunk_ids, heads = chunk_ids.cpu(), heads.cpu()
@@ -140,8 +142,8 @@ class HostValueStore:
             if self.fp8:
                 values = dequantize_values(values, gather_scales(region_scales[layer], pages.to(region.device), *idx),
                                            self.dtype)
-            values = values.cpu()
-            chunk_here = here[chunk_ids * chunk_size // self.page_tokens]
+            values = values.to(device)
+            chunk_here = here[chunk_ids * chunk_size // self.page_tokens].to(device)
             out = values if out is None else torch.where(chunk_here[:, None, None], values, out)
         return out
 

@@ -119,8 +119,8 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, flags: torch.Tensor
     keys = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
     Hkv, n = k_pre.shape[1], P // C
     chunks = torch.arange(n).repeat(Hkv)  # (Hkv*n,) every chunk of every head
-    values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C)
-    values = values.view(Hkv, P, -1).transpose(0, 1).to(keys.device)  # (P, Hkv, d)
+    values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C, keys.device)
+    values = values.view(Hkv, P, -1).transpose(0, 1)  # (P, Hkv, d)
     for h in range(Hkv):
         ids = flags[h].nonzero()[:, 0]
         rows = (ids[:, None] * C + torch.arange(C, device=ids.device)).flatten()
