@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fetch_values import fetch_values
 from shadowkv_core.attention import prefill_attention_ref
 from shadowkv_core.shadowkv.decode import rope_lens
 from shadowkv_core.shadowkv.manager import SequenceState
@@ -118,15 +119,35 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, flags: torch.Tensor
     k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[st.slot, layer].float())  # (P, Hkv, d)
     keys = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
     Hkv, n = k_pre.shape[1], P // C
-    chunks = torch.arange(n).repeat(Hkv)  # (Hkv*n,) every chunk of every head
-    values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C, keys.device)
-    values = values.view(Hkv, P, -1).transpose(0, 1)  # (P, Hkv, d)
+    if cache.spec.kernels:
+        values = fetch_prefix_values(cache, layer, st, Hkv, n)
+    else:
+        chunks = torch.arange(n).repeat(Hkv)  # (Hkv*n,) every chunk of every head
+        values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C,
+                                   keys.device).view(Hkv, P, -1)
+    values = values.transpose(0, 1)  # (P, Hkv, d)
     for h in range(Hkv):
         ids = flags[h].nonzero()[:, 0]
         rows = (ids[:, None] * C + torch.arange(C, device=ids.device)).flatten()
         keys[rows, h] = slots.outlier_k[st.slot, layer, h, :rows.numel()].float()
         values[rows, h] = slots.outlier_v[st.slot, layer, h, :rows.numel()].to(values.dtype)
     return keys, values
+
+
+def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int) -> torch.Tensor:
+    """Values (Hkv, n*C, d) of the first n chunks of a sequence, every KV head, read on the device by the decode
+    path's fetch kernel: every chunk a miss, straight from the pinned host pages (and the device region's) at PCIe
+    speed, with no host gather or staging copy."""
+    C, device = cache.config.chunk_size, st.gpu_table.device
+    ints = torch.arange(n, dtype=torch.int32, device=device).expand(1, num_kv_heads, n).contiguous()  # (1, Hkv, n)
+    num_miss = torch.full((1, num_kv_heads), n, dtype=torch.int32, device=device)
+    out = torch.empty(1, num_kv_heads, n * C, cache.host.shape[-1], dtype=cache.host.dtype, device=device)
+    region = cache.host.device_region(layer)
+    table = st.value_table[None].to(device, torch.int32)
+    fetch_values(cache.host.values[layer], table, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32,
+                 device=device), out, C, host_scales=cache.host.scales_of(layer),
+                 device_region=None if region is None else (*region, torch.zeros(1, dtype=torch.int32, device=device)))
+    return out[0]
 
 
 def make_up_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
