@@ -1,5 +1,17 @@
-"""A free list of fixed-size units (KV blocks, shadow pages, value pages, slots): CPU bookkeeping only."""
+"""A free list of fixed-size units (KV blocks, shadow pages, value pages, slots): CPU bookkeeping only; and
+`commit_host_pages`, which commits a pool's host memory when it is made."""
 from __future__ import annotations
+
+import torch
+
+
+def commit_host_pages(*pools: torch.Tensor) -> None:
+    """Write every page of pools in host memory now: the OS maps a fresh allocation's pages only when first written,
+    and a prefix cache, which reuses the least recently released unit, reaches every unit of a pool in time, so a
+    process's memory would climb towards its pools' size long after start. Device memory is resident when allocated."""
+    for pool in pools:
+        if pool is not None and pool.device.type == "cpu":
+            pool.zero_()
 
 
 class BlockAllocator:

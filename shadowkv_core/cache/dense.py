@@ -18,7 +18,7 @@ from kernels.decode_attention import decode_attention
 from ..attention import chunk_attention, prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
 from ..transfers import to_device
-from .allocator import BlockAllocator
+from .allocator import BlockAllocator, commit_host_pages
 from .base import AttentionMetadata, CacheManager, CacheSpec, KVCache
 from .prefix import ROOT, PrefixIndex, PromptHashes, block_hashes
 
@@ -159,6 +159,7 @@ class DenseKVCache(KVCache):
         scales_shape = (shape[0], shape[2], shape[1])  # (L, Hkv, rows) fp32
         self.k_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
         self.v_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
+        commit_host_pages(self.k, self.v)
         token_bytes = spec.head_dim * self.k.dtype.itemsize + (4 if self.fp8 else 0)  # one KV head's K or V
         block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * token_bytes
         self.manager = DenseManager(num_blocks, block_size, block_bytes, prefix_caching)

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from shadowkv_core.cache.allocator import commit_host_pages
 from shadowkv_core.numa import NumaPlacement, load_libnuma
 from shadowkv_core.shadowkv.reference import (FP8, dequantize_values, gather_scales, gather_values,
                                               quantize_values)
@@ -94,6 +95,8 @@ class HostValueStore:
                 raise RuntimeError(f"cudaHostRegister of {span / 2**30:.2f} GiB of host values failed: "
                                    f"error {int(err)}")
             self._unregister = weakref.finalize(self, _unregister, region)  # also when the store is dropped unclosed
+        else:  # pinning maps every page; unpinned, they are written now, on the node bound above
+            commit_host_pages(region)
         values = region[:value_bytes].view(value_dtype).view(self.shape)
         scales = region[scale_offset:nbytes].view(torch.float32).view(self.scales_shape) if self.fp8 else None
         return values, scales

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shadowkv_core.cache.allocator import commit_host_pages
 from shadowkv_core.cache.base import CacheSpec
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.shadowkv.reference import FP8, quantize_values
@@ -34,6 +35,7 @@ class GpuPages:
         self.landmarks = torch.zeros(L, num_pages, page_chunks, Hkv, d, dtype=FP8 if fp8 else spec.dtype, device=dev)
         self.landmark_scales = torch.ones(L, num_pages, page_chunks, Hkv, device=dev) if fp8 else None
         self.outlier_flags = torch.zeros(L, num_pages, page_chunks, Hkv, dtype=torch.uint8, device=dev)
+        commit_host_pages(*self.buffers)
         self.page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.buffers)
 
     @property

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from shadowkv_core.cache.allocator import commit_host_pages
 from shadowkv_core.cache.base import CacheSpec
 from shadowkv_core.config import ShadowKVConfig
 
@@ -35,6 +36,7 @@ class Slots:
         for name, (shape, dt) in specs.items():
             setattr(self, name, torch.zeros((num_slots, *shape), dtype=dt, device=spec.device))
         self.buffers = [getattr(self, name) for name in specs]
+        commit_host_pages(*self.buffers)
         self.slot_bytes = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
 
     @staticmethod
