@@ -7,6 +7,7 @@ from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.cache.prefix import PrefixIndex, block_hashes
 from shadowkv_core.tiny_model import build_tiny_model
+from support.prefix_cache import assert_bad_input_changes_nothing
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -310,12 +311,7 @@ def test_bad_input_is_refused_as_before_and_changes_nothing_cached(tiny_path):
     engine = llm.engine
     doc = tokens(40, 21)
     llm.generate([doc], GREEDY)
-    before = engine.stats()
-    for prompt, params, field in ((doc + [10_000], GREEDY, "prompt"), (doc * 13, GREEDY, "prompt"),
-                                  (doc, SamplingParams(max_tokens=480), "max_tokens")):
-        with pytest.raises(ValueError, match=field):
-            engine.add_request("bad", prompt, params)
-    assert engine.stats() == before and "bad" not in engine.requests
+    assert_bad_input_changes_nothing(engine, doc, doc * 13)
 
 
 def test_prefix_caching_off_prefills_every_prompt_whole(tiny_path, monkeypatch):

@@ -4,13 +4,17 @@ prefills only its suffix. At full rank and a budget covering the context ShadowK
 the cache must give the cold request's greedy tokens; tiny model, fp32, CPU."""
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.models.prefill_cost import PrefillBudget
+from shadowkv_core.shadowkv.host_store import HostValueStore
+from shadowkv_core.shadowkv.prefill import fetch_prefix_values
 from shadowkv_core.tiny_model import build_tiny_model
+from support.prefix_cache import assert_bad_input_changes_nothing
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 DECODING = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)  # a request decoding beside a prefill
@@ -356,12 +360,7 @@ def test_bad_input_is_refused_as_before_and_changes_nothing_cached(tiny_path):
     engine = llm.engine
     doc = tokens(300, 28)
     llm.generate([doc], GREEDY)
-    before = engine.stats()
-    for prompt, params, field in ((doc + [10_000], GREEDY, "prompt"), (doc * 2, GREEDY, "prompt"),
-                                  (doc, SamplingParams(max_tokens=480), "max_tokens")):
-        with pytest.raises(ValueError, match=field):
-            engine.add_request("bad", prompt, params)
-    assert engine.stats() == before and "bad" not in engine.requests
+    assert_bad_input_changes_nothing(engine, doc, doc * 2)
     assert settled(engine)
 
 
@@ -418,9 +417,6 @@ def test_at_low_rank_and_budget_adoption_runs_and_its_logits_are_finite(tiny_pat
 def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     """On the kernels an adopted prefix's values come through the decode path's fetch kernel, every chunk of every
     KV head a miss (prefill.fetch_prefix_values), from host pages and device-region pages: what the host gather reads."""
-    from types import SimpleNamespace
-    from shadowkv_core.shadowkv.host_store import HostValueStore
-    from shadowkv_core.shadowkv.prefill import fetch_prefix_values
     torch.manual_seed(5)
     C, page, Hkv, d = 4, 16, 2, 32
     kw = dict(value_format="fp8", chunk_size=C) if fp8 else dict(chunk_size=C)
