@@ -7,7 +7,7 @@ from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
 from shadowkv_core.cache.prefix import PrefixIndex, block_hashes
 from shadowkv_core.tiny_model import build_tiny_model
-from support.prefix_cache import assert_bad_input_changes_nothing
+from support.prefix_cache import assert_bad_input_changes_nothing, record_prefills
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -169,20 +169,6 @@ def cold(tiny_path):
 
 def engine_llm(tiny_path, **kwargs):
     return LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, **kwargs)
-
-
-def record_prefills(engine, monkeypatch):
-    """(context_lens, query_lens) of every prefill job the engine starts."""
-    seen = []
-    start = engine.runner.start_prefill
-
-    def spy(seqs):
-        job = start(seqs)
-        seen.append((list(job.meta.context_lens), list(job.meta.query_lens)))
-        return job
-
-    monkeypatch.setattr(engine.runner, "start_prefill", spy)
-    return seen
 
 
 def settled(engine):

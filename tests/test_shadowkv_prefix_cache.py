@@ -14,7 +14,7 @@ from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.prefill import fetch_prefix_values
 from shadowkv_core.tiny_model import build_tiny_model
-from support.prefix_cache import assert_bad_input_changes_nothing
+from support.prefix_cache import assert_bad_input_changes_nothing, record_prefills
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 DECODING = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)  # a request decoding beside a prefill
@@ -40,20 +40,6 @@ def engine_llm(tiny_path, shadow=EXACT, **kwargs):
 @pytest.fixture(scope="module")
 def cold(tiny_path):
     return engine_llm(tiny_path, enable_prefix_caching=False)
-
-
-def record_prefills(engine, monkeypatch):
-    """(context_lens, query_lens) of every prefill job the engine starts."""
-    seen = []
-    start = engine.runner.start_prefill
-
-    def spy(seqs):
-        job = start(seqs)
-        seen.append((list(job.meta.context_lens), list(job.meta.query_lens)))
-        return job
-
-    monkeypatch.setattr(engine.runner, "start_prefill", spy)
-    return seen
 
 
 def record_logits(engine, monkeypatch):

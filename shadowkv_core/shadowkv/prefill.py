@@ -126,11 +126,14 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, flags: torch.Tensor
         values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C,
                                    keys.device).view(Hkv, P, -1)
     values = values.transpose(0, 1)  # (P, Hkv, d)
-    for h in range(Hkv):
-        ids = flags[h].nonzero()[:, 0]
-        rows = (ids[:, None] * C + torch.arange(C, device=ids.device)).flatten()
-        keys[rows, h] = slots.outlier_k[st.slot, layer, h, :rows.numel()].float()
-        values[rows, h] = slots.outlier_v[st.slot, layer, h, :rows.numel()].to(values.dtype)
+    # every head's flagged chunks at once: a head's k-th flagged chunk (ascending) is its k-th outlier in the slot
+    heads, ids = flags.nonzero(as_tuple=True)  # (M,) each, ascending chunk per head
+    order = flags.long().cumsum(-1)[heads, ids] - 1  # (M,) rank of each among its head's outliers
+    offs = torch.arange(C, device=ids.device)
+    rows, src, heads = ((ids[:, None] * C + offs).flatten(), (order[:, None] * C + offs).flatten(),
+                        heads.repeat_interleave(C))
+    keys[rows, heads] = slots.outlier_k[st.slot, layer][heads, src].float()
+    values[rows, heads] = slots.outlier_v[st.slot, layer][heads, src].to(values.dtype)
     return keys, values
 
 

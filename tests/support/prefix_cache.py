@@ -1,4 +1,4 @@
-"""A check both prefix caches' tests share (dense blocks, ShadowKV pages)."""
+"""What both prefix caches' tests share (dense blocks, ShadowKV pages)."""
 import pytest
 
 from shadowkv_core import SamplingParams
@@ -15,3 +15,17 @@ def assert_bad_input_changes_nothing(engine, doc: list[int], too_long: list[int]
         with pytest.raises(ValueError, match=field):
             engine.add_request("bad", prompt, params)
     assert engine.stats() == before and "bad" not in engine.requests
+
+
+def record_prefills(engine, monkeypatch):
+    """(context_lens, query_lens) of every prefill job the engine starts."""
+    seen = []
+    start = engine.runner.start_prefill
+
+    def spy(seqs):
+        job = start(seqs)
+        seen.append((list(job.meta.context_lens), list(job.meta.query_lens)))
+        return job
+
+    monkeypatch.setattr(engine.runner, "start_prefill", spy)
+    return seen
