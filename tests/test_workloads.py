@@ -71,6 +71,23 @@ def test_the_offline_driver_serves_every_scenario(tmp_path, model, isolate):
     check_run(saved["rows"], [(s, m) for s in SCENARIOS for m in METHODS], workloads)
 
 
+def test_prefix_caching_can_be_turned_off_for_a_run(tmp_path):
+    """--no-prefix-caching overrides the config: later turns of a conversation then prefill their whole prompt (no
+    hit tokens), where with the cache on they adopt the turns before them; the row says which it was."""
+    rows = {}
+    for flag in ("--prefix-caching", "--no-prefix-caching"):
+        out = tmp_path / f"{flag}.json"
+        run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL, "--events",
+                   "--scenarios", "multi_turn", "--methods", "dense", "shadowkv", "--no-isolate", flag,
+                   "--out", str(out), timeout_s=600)
+        rows[flag] = json.loads(out.read_text())["rows"]
+        check_run(rows[flag], [("multi_turn", m) for m in ("dense", "shadowkv")])
+    for on, off in zip(rows["--prefix-caching"], rows["--no-prefix-caching"]):
+        assert on["prefix_caching"] is True and off["prefix_caching"] is False
+        assert on["prefix_hit_tokens"] > 0 and off["prefix_hit_tokens"] == 0 and off["prefix_cached_bytes"] == 0
+        assert on["later_turns_ttft_p50_s"] is not None
+
+
 def test_hugging_face_serves_the_workload(tmp_path):
     """transformers' generate, static cache and dynamic, one request at a time: every request gets exactly its tokens
     and every turn carries the conversation, as the engines' runs do."""

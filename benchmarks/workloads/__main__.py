@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (CPU: ~0.01)")
     parser.add_argument("--count-scale", type=float, default=1.0, help="multiplies every number of conversations")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the config's engine.enable_prefix_caching (default: as configured)")
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print_table(rows, COLUMNS[rows[0].get("driver", "offline")] if rows else [])
         return rows
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
+    if args.prefix_caching is not None:
+        app_args = {**app_args, "engine": {**app_args.get("engine", {}), "enable_prefix_caching": args.prefix_caching}}
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size
         dump = {s: describe(make_workload(s, args.seed, vocab, args.scale, args.count_scale, args.rate))

@@ -59,6 +59,8 @@ def check_figures(row: dict, records: list[dict]) -> None:
             "itl_p99_ms": 1e3 * np.percentile(itl, 99), "output_tok_s": output / row["wall_s"],
             "requests_per_min": 60 * len(records) / row["wall_s"]}
     assert {k: row[k] for k in want} == pytest.approx(want)
+    later = [t for q, t in zip(records, ttft) if q["turn"] > 0]
+    assert row["later_turns_ttft_p50_s"] == (pytest.approx(np.percentile(later, 50)) if later else None)
     met = sum(t <= row["ttft_bound_s"] and (len(q["events"]) < 2 or 1e3 * np.percentile(
         [(b - a) / n for (a, _), (b, n) in zip(q["events"], q["events"][1:]) for _ in range(n)], 99)
         <= row["itl_bound_ms"]) for q, t in zip(records, ttft))
