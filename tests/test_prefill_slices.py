@@ -156,3 +156,88 @@ def test_what_a_job_holds_between_steps_fits_the_memory_models_prefill_workspace
     while engine.runner.advance_prefill(job, rows) is None:
         peak = max(peak, held_bytes(job))
     assert 4 * len(prompt) * g.hidden_size * 4 < peak <= workspace  # at least the layer's input, q, k, v, output
+
+
+def express_run(engine, long_prompt, later, params, after_steps=3, abort=None):
+    """Two decodes running, a long prompt sliced finely, and after `after_steps` steps the prompts of `later` added
+    (id -> prompt); `abort`: (request id, steps after the later ones are added). -> (outputs by id, per step the ids
+    that got a token, the steps an express job was under way); with `abort`, also the ids of the prefill job and the
+    express job at the abort, and of the prefill job just after it."""
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows_of(engine, 16) / 1e12)
+    for i in range(2):
+        engine.add_request(f"d{i}", tokens(12, 30 + i), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", long_prompt, params)
+    outs, steps, express, jobs = {}, [], 0, []
+    while "long" in engine.requests or any(r in engine.requests for r in later):
+        if len(steps) == after_steps:
+            for rid, prompt in later.items():
+                engine.add_request(rid, prompt, params)
+        if abort is not None and len(steps) == after_steps + abort[1]:
+            jobs += [job_ids(engine.prefill_job), job_ids(engine.express_job)]
+            engine.abort(abort[0])
+            jobs.append(job_ids(engine.prefill_job))
+        got = engine.step()
+        express += engine.express_job is not None
+        steps.append([o.request_id for o in got])
+        outs.update({o.request_id: o for o in got if not o.request_id.startswith("d")})
+    for i in range(2):
+        engine.abort(f"d{i}")
+    stats = engine.stats()
+    assert (stats["num_seqs"], stats["num_running"], stats["gpu_bytes_in_use"]) == (0, 0, 0)
+    return (outs, steps, express, jobs) if abort else (outs, steps, express)
+
+
+def job_ids(job):
+    return None if job is None else [s.request_id for s in job.seqs]
+
+
+def first_token_step(steps, rid):
+    return next(i for i, got in enumerate(steps) if rid in got)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_short_prompt_prefills_beside_a_long_one_and_is_answered_first(tiny_path, cache):
+    """A short prompt that arrives while a long prompt prefills starts beside it (the express job), gets its first
+    token long before the long one does, and both get the tokens they get alone; the decodes keep a token a step."""
+    long_prompt, short = tokens(200, 41), tokens(9, 42)
+    outs, steps, express = express_run(make_llm(tiny_path, CACHES[cache]).engine, long_prompt, {"short": short},
+                                       GREEDY)
+    alone = make_llm(tiny_path, CACHES[cache]).generate([long_prompt, short], GREEDY)
+    assert [outs["long"].token_ids, outs["short"].token_ids] == [o.token_ids for o in alone]
+    assert express > 0 and first_token_step(steps, "short") < first_token_step(steps, "long") - 10
+    assert all({"d0", "d1"} <= set(got) for got in steps[:first_token_step(steps, "long")])
+
+
+def test_a_prompt_that_is_not_short_waits_for_the_long_prefill(tiny_path):
+    """A prompt whose prefill costs more than an eighth of what the long prefill has left waits for it to end."""
+    long_prompt, middling = tokens(200, 41), tokens(120, 43)
+    outs, steps, express = express_run(make_llm(tiny_path).engine, long_prompt, {"middling": middling}, GREEDY)
+    assert express == 0 and first_token_step(steps, "middling") > first_token_step(steps, "long")
+
+
+def test_a_next_turn_after_a_cached_prefix_prefills_beside_a_long_prompt(tiny_path):
+    """A conversation's next turn is a long prompt whose first pages are cached: only its new tokens prefill, which
+    makes it short; it starts beside a long cold prompt and gets the tokens of the same turn prefilled cold."""
+    llm = make_llm(tiny_path, FULL_SHADOW)
+    doc = tokens(84, 44)  # one 64-token page of shadow, then the window
+    first = llm.generate([doc], GREEDY)[0]
+    turn = doc + first.token_ids + tokens(6, 45)
+    assert llm.engine.cache.manager.cached_prefix_len(len(turn), GREEDY.max_tokens, turn) == 64
+    outs, steps, express = express_run(llm.engine, tokens(400, 41), {"turn": turn}, GREEDY)
+    cold = make_llm(tiny_path, FULL_SHADOW, enable_prefix_caching=False).generate([turn], GREEDY)[0]
+    assert outs["turn"].token_ids == cold.token_ids
+    assert express > 0 and first_token_step(steps, "turn") < first_token_step(steps, "long") - 10
+
+
+@pytest.mark.parametrize("abort, after", [("long", 1), ("short", 1)])
+def test_an_abort_beside_an_express_prefill_leaves_the_other_to_finish(tiny_path, abort, after):
+    """Aborting the long prompt while a short one prefills beside it makes the short one the prefill under way;
+    aborting the short one leaves the long one's; the other gets its tokens, and every pool returns to empty."""
+    long_prompt, short = tokens(200, 41), tokens(9, 42)
+    outs, _, _, jobs = express_run(make_llm(tiny_path, FULL_SHADOW).engine, long_prompt, {"short": short}, GREEDY,
+                                   abort=(abort, after))
+    kept = "short" if abort == "long" else "long"
+    assert jobs == [["long"], ["short"], [kept]]
+    alone = make_llm(tiny_path, FULL_SHADOW).generate([long_prompt if kept == "long" else short], GREEDY)[0]
+    assert outs[kept].token_ids == alone.token_ids and abort not in outs

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,10 @@ from .structured import GrammarCompiler
 from .text import TextProcessor
 
 logger = logging.getLogger(__name__)
+
+# A waiting prompt whose prefill costs at most this fraction of what the prefill under way has left starts beside it:
+# a short prefill is not held up by a long one, and each delays the long one by a small share at most.
+EXPRESS_SHARE = 8
 
 
 @dataclass
@@ -70,6 +75,7 @@ class LLMEngine:
         self.in_flight: InFlightDecode | None = None
         self.requests: dict[str, Sequence] = {}
         self.prefill_job: PrefillJob | None = None
+        self.express_job: PrefillJob | None = None  # a short prefill started beside prefill_job (EXPRESS_SHARE)
         self.last_step_prefilled = False  # whether the last step() ran layers of a prefill
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -174,17 +180,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Decode one token for every running request, and advance the prefill under way by as many of its slices
         as `prefill_step_tflop` buys (a short prompt's whole prefill; a long prompt's over many steps); with nothing
-        decoding, the whole prefill runs in this step.
+        decoding, the whole prefill runs in this step. A short prefill admitted while a long one is under way
+        (EXPRESS_SHARE) runs first from the step's budget, and the long one gets what is left.
 
         With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
         or string) has decoded one more token by then, which is dropped. A step whose batch holds a request with a
         grammar (structured output) runs without that overlap: its mask needs the token before."""
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._express())
         outputs, prev = [], self.in_flight
         if scheduled.prefill:
-            self.prefill_job = self.runner.start_prefill(scheduled.prefill)
-            self._prefill_clock = (time.monotonic(), True)
+            job = self.runner.start_prefill(scheduled.prefill)
+            if self.prefill_job is None:
+                self.prefill_job, self._prefill_clock = job, (time.monotonic(), True)
+            else:
+                self.express_job = job
         decode = scheduled.decode
         if prev is not None:  # a request whose last token is in flight has no step left to run
             decode = [seq for seq in decode
@@ -198,17 +208,37 @@ class LLMEngine:
             decode = [seq for seq in decode if not seq.is_finished]
             if decode:
                 outputs += self._run(self.runner.decode, decode)
-        if decode and self._prefill_clock is not None:
+        if (decode or self.express_job is not None) and self._prefill_clock is not None:
             self._prefill_clock = (self._prefill_clock[0], False)
         self.last_step_prefilled = self.prefill_job is not None
-        if self.prefill_job is not None:
-            job = self.prefill_job
-            flops = None if not decode or self.config.prefill_step_tflop is None else \
-                self.config.prefill_step_tflop * 1e12
-            outputs += self._run(lambda seqs: self._advance_prefill(job, flops), job.seqs)
+        flops = None if not decode or self.config.prefill_step_tflop is None else self.config.prefill_step_tflop * 1e12
+        for job in [j for j in (self.express_job, self.prefill_job) if j is not None]:  # the short one first
+            if flops is not None and flops <= 0:
+                break
+            outputs += self._run(lambda seqs, job=job: self._advance_prefill(job, flops), job.seqs)
+            flops = None if flops is None else job.budget.left
             if job.next_layer == self.runner.num_layers:
-                self._time_prefill(job.num_tokens)
+                self._prefill_done(job)
         return outputs
+
+    def _express(self) -> Callable[[int, int], bool] | None:
+        """While a prefill is under way and no short one beside it: whether a waiting prompt (tokens cached, tokens
+        to prefill) may start beside it, its prefill at most 1/EXPRESS_SHARE of what the one under way has left."""
+        if self.prefill_job is None or self.express_job is not None:
+            return None
+        budget, num_layers = self.prefill_job.budget, self.runner.num_layers
+        limit = self.prefill_job.flops_left(num_layers) / EXPRESS_SHARE
+        return lambda cached, n: budget.prompt(cached, n) * num_layers <= limit
+
+    def _prefill_done(self, job: PrefillJob) -> None:
+        """A job ran its last layer: the fastest prefill rate yet if it ran alone (prefill_job); a short one that
+        ended after prefill_job becomes the job under way."""
+        if job is self.express_job:
+            self.express_job = None
+        elif job is self.prefill_job:
+            if self._prefill_clock is not None:
+                self._time_prefill(job.num_tokens)
+            self.prefill_job, self.express_job = self.express_job, None
 
     def _advance_prefill(self, job: PrefillJob, flops: float | None) -> torch.Tensor | None:
         """The runner's advance_prefill; once it has run every layer, the prompt logprobs go to the sequences that
@@ -226,7 +256,7 @@ class LLMEngine:
         return self._read_back(job)
 
     def _time_prefill(self, num_tokens: int) -> None:
-        """A prefill job has run all its layers: if nothing decoded beside it, its time per token, when it is the
+        """A prefill job has run all its layers: if nothing ran beside it, its time per token, when it is the
         fastest yet (a rate later prefills are unlikely to beat: next_finish_s stays a lower bound)."""
         start, alone = self._prefill_clock
         self._prefill_clock = None
@@ -242,10 +272,10 @@ class LLMEngine:
         rate (None before any prefill ran alone). An abort can always free a slot sooner."""
         if any(seq.status is SequenceStatus.RUNNING for seq in self.requests.values()):
             return 0.0
-        job = self.prefill_job
-        if job is None or self._prefill_s_per_token is None:
+        jobs = [job for job in (self.express_job, self.prefill_job) if job is not None]
+        if not jobs or self._prefill_s_per_token is None:
             return None
-        left = job.num_tokens * (self.runner.num_layers - job.next_layer) / self.runner.num_layers
+        left = min(job.num_tokens * (self.runner.num_layers - job.next_layer) for job in jobs) / self.runner.num_layers
         return left * self._prefill_s_per_token
 
     def _run(self, forward, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -264,7 +294,6 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(list(seqs), tokens)):
             if seq.status is SequenceStatus.PREFILLING:
                 seq.status = SequenceStatus.RUNNING
-                self.prefill_job = None
             self._append(seq, token, by_row.get(row))
         return [seq.output(1) for seq in seqs]
 
@@ -341,8 +370,12 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """Drop a finished, failed or aborted request from the running batch and the prefill under way, and free its
         cache: at once, or, if a decode step still running on the device holds it, once that step is read back."""
+        if self.express_job is not None and seq in self.express_job.seqs:
+            self.express_job = self.express_job.without(seq)
         if self.prefill_job is not None and seq in self.prefill_job.seqs:
             self.prefill_job = self.prefill_job.without(seq)
+            if self.prefill_job is None:
+                self.prefill_job, self.express_job, self._prefill_clock = self.express_job, None, None
         held = self.in_flight is not None and seq.seq_id in self.in_flight.rows
         self.scheduler.finish(seq, free=not held)
         self.counts.free(seq.seq_id)

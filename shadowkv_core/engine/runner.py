@@ -37,6 +37,11 @@ class PrefillJob:
     def num_tokens(self) -> int:
         return self.hidden.shape[0]
 
+    def flops_left(self, num_layers: int) -> float:
+        """Estimated FLOPs of the layers still to run (the one under way counted whole)."""
+        per_layer = sum(self.budget.prompt(c, n) for c, n in zip(self.meta.context_lens, self.meta.query_lens))
+        return per_layer * (num_layers - self.next_layer)
+
     def without(self, seq: Sequence) -> PrefillJob | None:
         """The job less one sequence (aborted mid-prefill); None if it was the last. The layer under way starts over
         (what it wrote to the cache for the others is written again, the same)."""

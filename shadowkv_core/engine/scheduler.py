@@ -5,11 +5,14 @@ admitted for the next one while the cache can hold them (everything they will ev
 admitted work never runs out of memory mid-decode). Prefills are grouped by the tokens they prefill (a prompt less
 its cached prefix): the oldest waiting sequence picks the length bucket and only prompts of that bucket join its
 prefill batch, up to a budget of prefilled tokens, so long prefills do not ride with short ones and the readers of
-one cached document are admitted together.
+one cached document are admitted together. While a prefill is under way, the engine may let short prefills start
+beside it (an express batch, chosen the same way among the waiting sequences it calls short): a conversation's next
+turn, which prefills only its new tokens after a cached prefix, need not wait behind a cold 100K-token prompt.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..cache.base import CacheManager
@@ -48,20 +51,29 @@ class Scheduler:
             raise RuntimeError(f"the waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, express: Callable[[int, int], bool] | None = None) -> ScheduledStep:
+        """The step's decodes, and the sequences admitted to prefill: when no prefill is under way, or, while one is,
+        those `express` calls short (given the tokens it would take from the prefix cache and those it would
+        prefill); None: none starts beside the one under way."""
         decode = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
         prefilling = len(decode) < len(self.running)
-        prefill = [] if prefilling else self._admit()
+        if not prefilling:
+            prefill = self._admit(list(self.waiting))
+        elif express is not None:
+            prefill = self._admit([seq for seq in self.waiting if express(*self._split(seq))])
+        else:
+            prefill = []
         self.running.extend(prefill)
         return ScheduledStep(prefill, decode)
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, queue: list[Sequence]) -> list[Sequence]:
+        """Admit from `queue` (waiting sequences, oldest first) what joins the first one's prefill batch."""
         admitted: list[Sequence] = []
-        if not self.waiting:
+        if not queue:
             return admitted
-        bucket = length_bucket(self._to_prefill(self.waiting[0]))
+        bucket = length_bucket(self._to_prefill(queue[0]))
         tokens = 0
-        for seq in list(self.waiting):
+        for seq in queue:
             if len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             prefill = self._to_prefill(seq)
@@ -87,7 +99,12 @@ class Scheduler:
 
     def _to_prefill(self, seq: Sequence) -> int:
         """The prompt tokens the sequence would prefill if admitted now."""
-        return seq.prompt_len - self.manager.cached_prefix_len(seq.prompt_len, seq.params.max_tokens, self._lookup(seq))
+        return self._split(seq)[1]
+
+    def _split(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens the sequence would take from the prefix cache, tokens it would prefill) if admitted now."""
+        cached = self.manager.cached_prefix_len(seq.prompt_len, seq.params.max_tokens, self._lookup(seq))
+        return cached, seq.prompt_len - cached
 
     def start_running(self, seq: Sequence) -> None:
         """A sequence that needs no prefill (a fork: its cache is copied in) joins the running batch at once; a

@@ -24,6 +24,10 @@ class PrefillBudget:
         and the chunk's keys up to its own."""
         return self.pair * (n * keys_before + n * (n + 1) / 2)
 
+    def prompt(self, cached: int, n: int) -> float:
+        """One layer's prefill of n prompt tokens after `cached` tokens of cached prefix."""
+        return n * (self.projection_row + self.output_row) + self.attention(cached, n)
+
     def run_slices(self, n: int, limit: int, cost: Callable[[int, int], float],
                    run: Callable[[int, int], None]) -> Generator[None, None, None]:
         """run(s, e) over consecutive ranges covering [0, n), pausing (yield) before each: each range the longest,
