@@ -82,10 +82,24 @@ def test_prefix_caching_can_be_turned_off_for_a_run(tmp_path):
                    "--out", str(out), timeout_s=600)
         rows[flag] = json.loads(out.read_text())["rows"]
         check_run(rows[flag], [("multi_turn", m) for m in ("dense", "shadowkv")])
+    assert all(r["max_num_seqs"] == 4 for r in rows["--prefix-caching"])  # configs/local.yaml's
     for on, off in zip(rows["--prefix-caching"], rows["--no-prefix-caching"]):
         assert on["prefix_caching"] is True and off["prefix_caching"] is False
         assert on["prefix_hit_tokens"] > 0 and off["prefix_hit_tokens"] == 0 and off["prefix_cached_bytes"] == 0
         assert on["later_turns_ttft_p50_s"] is not None
+
+
+def test_max_num_seqs_overrides_the_config(tmp_path):
+    """--max-num-seqs 2: the engine runs two of shared_doc's readers at a time, never three."""
+    out = tmp_path / "two.json"
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL, "--events",
+               "--scenarios", "shared_doc", "--methods", "dense", "--no-isolate", "--max-num-seqs", "2",
+               "--out", str(out), timeout_s=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    check_run([row], [("shared_doc", "dense")])
+    spans = [(q["events"][0][0], q["events"][-1][0]) for q in row["request_records"]]  # first token to last
+    busiest = max(sum(first <= t < last for first, last in spans) for t, _ in spans)
+    assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2
 
 
 def test_hugging_face_serves_the_workload(tmp_path):

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="override the config's max_num_seqs, the sequences an engine runs at once")
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print_table(rows, COLUMNS[rows[0].get("driver", "offline")] if rows else [])
         return rows
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
+    if args.max_num_seqs is not None:
+        app_args = {**app_args, "max_num_seqs": args.max_num_seqs}
     if args.prefix_caching is not None:
         app_args = {**app_args, "engine": {**app_args.get("engine", {}), "enable_prefix_caching": args.prefix_caching}}
     if args.dump_workload:
