@@ -305,6 +305,34 @@ def test_abort_during_a_suffix_prefill_releases_it_and_keeps_the_prefix(tiny_pat
     assert settled(engine)
 
 
+@pytest.mark.gpu
+def test_a_suffix_prefill_on_cuda_queues_its_layers_without_a_host_sync(tiny_path, monkeypatch):
+    """On CUDA the per-layer work of a suffix prefill never waits for the device (the CPU queues every layer ahead of
+    the GPU): the record is pinned, outlier counts come from it, index shapes from the host. A sync there raises
+    (torch.cuda.set_sync_debug_mode)."""
+    llm = engine_llm(tiny_path, device="cuda", host_cache_gib=0.05)
+    cache, checked = llm.engine.cache.shadow, []
+
+    def strict(method):
+        def run(layer, q, k_pre, k_rot, v, meta):
+            if not any(meta.context_lens):  # a cold prefill factorises its keys: eigh waits for the device
+                return method(layer, q, k_pre, k_rot, v, meta)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(layer, q, k_pre, k_rot, v, meta)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                checked.append(method.__name__)
+        return run
+
+    for name in ("prefill_begin", "prefill_end"):
+        monkeypatch.setattr(cache, name, strict(getattr(cache, name)))
+    doc = tokens(300, 10)  # on the CPU, every layer of the second prompt makes up outliers past its four pages
+    llm.generate([doc + tokens(7, 2)], GREEDY)
+    llm.generate([doc + tokens(40, 4)], GREEDY)
+    assert llm.engine.stats()["prefix_hit_tokens"] == 256 and {"prefill_begin", "prefill_end"} <= set(checked)
+
+
 def test_a_suffix_prefill_sliced_over_many_steps_beside_decodes_gives_the_cold_tokens(tiny_path, cold, monkeypatch):
     """The suffix after an adopted prefix prefills by slices of a layer, a few per step, while a dense and a ShadowKV
     request decode: each attention slice sees the rebuilt prefix and the suffix so far, and the layer's end appends

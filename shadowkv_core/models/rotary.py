@@ -52,6 +52,8 @@ class RotaryEmbedding:
         else:
             x1, x2 = rot.chunk(2, dim=-1)
             rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim == x.shape[-1]:  # no channel passes: no copy to join them
+            return rotated.to(x.dtype)
         return torch.cat((rotated.to(x.dtype), x[..., self.rotary_dim:]), dim=-1)
 
     def apply_pair(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

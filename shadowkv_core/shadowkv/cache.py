@@ -155,17 +155,20 @@ class ShadowKVCache(KVCache):
         self._plans.clear()
 
     def _record_of(self, st: SequenceState):
-        """A prefilled sequence's slot basis and outliers, on the host, and the most and fewest outliers a KV head of
-        a layer has in its first p pages, for every p: what manager.prefilled keeps for its pages."""
+        """A prefilled sequence's slot basis and outliers, on the host (pinned on CUDA: adoption copies them back
+        without waiting), and the outliers each KV head of each layer has in its first p pages, for every p: what
+        manager.prefilled keeps for its pages."""
         O, L, pc = st.num_outliers * self.config.chunk_size, self.spec.num_layers, self.config.page_chunks
         flags = torch.stack([self.gpu.read_outliers(layer, st.gpu_table, st.num_shadow) for layer in range(L)])
         before = torch.nn.functional.pad(flags.long().cumsum(-1), (1, 0))  # (L, Hkv, n + 1)
         counts = before[..., [min(p * pc, st.num_shadow) for p in range(-(-st.num_shadow // pc) + 1)]]
-        counts = counts.flatten(0, 1).T  # (pages + 1, L*Hkv)
-        outliers_before = list(zip(counts.amax(1).tolist(), counts.amin(1).tolist()))
-        own = [buf[st.slot, ..., :rows, :].to("cpu", copy=True)  # copies: the slot is reused after the sequence
-               for buf, rows in ((self.slots.sv, None), (self.slots.outlier_k, O), (self.slots.outlier_v, O))]
-        return (*own, outliers_before)
+        own = []
+        for buf, rows in ((self.slots.sv, None), (self.slots.outlier_k, O), (self.slots.outlier_v, O)):
+            src = buf[st.slot, ..., :rows, :]  # copied: the slot is reused after the sequence
+            own.append(torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda")
+                       .copy_(src, non_blocking=True))
+        # waits for the copies above too: the manager indexes the pages by these counts now
+        return (*own, counts.permute(2, 0, 1).cpu())  # counts (pages + 1, L, Hkv)
 
     def _device_counts(self) -> tuple[int, torch.Tensor] | None:
         """The kernel path's counts of this decode forward (its plans': one per pipelined half): selections over

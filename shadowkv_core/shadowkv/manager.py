@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,18 +31,28 @@ class ShadowRecord:
     """What adopting pages a sequence indexed takes beyond the pages: its slot's basis and exact outlier chunks, on the
     host (the slot is freed with the sequence). lineage: serials of this record and of those whose pages it adopted
     (their U rows are on the same basis, their outlier flags are among its outliers). pages: the sequence's GPU pages.
-    outliers_before[p]: the most and the fewest outlier chunks a KV head of a layer has in its first p pages; past
-    the list, all of them."""
+    outlier_counts[p]: the outlier chunks each KV head of each layer has in its first p pages; past them, all of them.
+    On CUDA its tensors are pinned, so that adopting them copies to the device without waiting for it."""
 
     lineage: tuple[int, ...]
     pages: list[int]
     sv: torch.Tensor  # (L, Hkv, r, d)
     outlier_k: torch.Tensor  # (L, Hkv, O*C, d), each head's outlier chunks in ascending order
     outlier_v: torch.Tensor
-    outliers_before: list[tuple[int, int]]
+    outlier_counts: torch.Tensor  # (pages + 1, L, Hkv) int64
+    most_fewest: list[tuple[int, int]] = field(init=False, repr=False)  # outlier_counts[p]: (max, min)
+
+    def __post_init__(self):
+        per_page = self.outlier_counts.flatten(1)  # (pages + 1, L*Hkv)
+        self.most_fewest = list(zip(per_page.amax(1).tolist(), per_page.amin(1).tolist()))
+
+    def outliers_of(self, num_pages: int) -> torch.Tensor:
+        """(L, Hkv): the outlier chunks each KV head of each layer has in the first num_pages pages."""
+        return self.outlier_counts[min(num_pages, len(self.outlier_counts) - 1)]
 
     def outliers_in(self, num_pages: int) -> tuple[int, int]:
-        return self.outliers_before[min(num_pages, len(self.outliers_before) - 1)]
+        """The most and the fewest outlier chunks a KV head of a layer has in the first num_pages pages."""
+        return self.most_fewest[min(num_pages, len(self.most_fewest) - 1)]
 
     @property
     def nbytes(self) -> int:
@@ -232,12 +242,12 @@ class ShadowKVManager(CacheManager):
         return cached
 
     def prefilled(self, seq_id: int, sv: torch.Tensor, outlier_k: torch.Tensor, outlier_v: torch.Tensor,
-                  outliers_before: list[tuple[int, int]]) -> None:
+                  outlier_counts: torch.Tensor) -> None:
         """A sequence's prefill has run (prefix caching only): keep its record (sv, outliers: its slot's, on the host)
         and index its prompt's full pages that lie in the shadow."""
         st = self.seqs[seq_id]
         lineage = (st.adopted.lineage if st.adopted is not None else ()) + (next(self._serials),)
-        st.record = ShadowRecord(lineage, list(st.gpu_pages), sv, outlier_k, outlier_v, outliers_before)
+        st.record = ShadowRecord(lineage, list(st.gpu_pages), sv, outlier_k, outlier_v, outlier_counts)
         st.adopted = None
         hashes = self._to_index.pop(seq_id, [])[:st.num_shadow * self.config.chunk_size // self.page_tokens]
         self._index_pages(st, hashes, 0)

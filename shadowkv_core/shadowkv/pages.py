@@ -63,7 +63,8 @@ class GpuPages:
         not outliers (mark_outliers)."""
         rows = torch.arange(start, start + lm.shape[-3], device=table.device)
         page, offset = locate(table, rows, self.page_chunks)
-        self.outlier_flags[layers, page, offset] = 0
+        # a device scalar: index_put_ copies a Python one to the device with a blocking copy (a sync)
+        self.outlier_flags[layers, page, offset] = self.outlier_flags.new_zeros(())
         if self.landmark_scales is not None:
             lm, scales = quantize_values(lm, 1)  # one scale per chunk and KV head
             self.landmark_scales[layers, page, offset] = scales
@@ -85,7 +86,7 @@ class GpuPages:
         if heads is None:
             heads = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
         page, offset = locate(table, ids, self.page_chunks)
-        self.outlier_flags[layer, page, offset, heads] = 1
+        self.outlier_flags[layer, page, offset, heads] = self.outlier_flags.new_ones(())  # as in write_landmarks
 
     def read_outliers(self, layer: int, table: torch.Tensor, num_chunks: int) -> torch.Tensor:
         """Outlier flags of chunks [0, num_chunks) -> (Hkv, n) bool."""

@@ -14,6 +14,7 @@ from shadowkv_core.attention import prefill_attention_ref
 from shadowkv_core.shadowkv.decode import rope_lens
 from shadowkv_core.shadowkv.manager import SequenceState
 from shadowkv_core.shadowkv.reference import chunk_landmarks, factorize_keys, find_outlier_chunks, project_keys
+from shadowkv_core.transfers import to_device
 
 
 def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
@@ -33,8 +34,11 @@ def prompt_keys_values(cache, layer: int, st: SequenceState, k_rot: torch.Tensor
     adopted basis and outliers go into the slot (adopt_prefix) and the prefix's keys and values come first."""
     if not st.cached:
         return k_rot, v
-    keys, values = adopt_prefix(cache, layer, st)
-    return torch.cat([keys.to(k_rot.dtype), k_rot]), torch.cat([values.to(v.dtype), v])
+    P, S = st.cached, k_rot.shape[0]
+    keys, values = k_rot.new_empty((P + S, *k_rot.shape[1:])), v.new_empty((P + S, *v.shape[1:]))
+    adopt_prefix(cache, layer, st, keys[:P], values[:P])
+    keys[P:], values[P:] = k_rot, v
+    return keys, values
 
 
 def build_shadow(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
@@ -76,17 +80,25 @@ def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v:
     slots.outlier_v[st.slot, layer, :, :O * C] = v[tokens, heads]
 
 
-def adopt_prefix(cache, layer: int, st: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adopted basis and outliers of the sequence's prefix (st.cached tokens, whole pages) into the slot; -> the
-    prefix's keys and values (prefix_keys_values)."""
-    slots, C, P, record = cache.slots, cache.config.chunk_size, st.cached, st.adopted
-    slots.sv[st.slot, layer] = record.sv[layer].to(slots.sv.device, slots.sv.dtype)  # (Hkv, r, d)
+def adopt_prefix(cache, layer: int, st: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The adopted basis and outliers of the sequence's prefix (st.cached tokens, whole pages) into the slot; the
+    prefix's keys and values into keys, values (P, Hkv, d) (prefix_keys_values). From the record's pinned host
+    tensors on CUDA: nothing here waits for the device."""
+    slots, record = cache.slots, st.adopted
+    slots.sv[st.slot, layer].copy_(record.sv[layer], non_blocking=True)  # (Hkv, r, d)
     slots.resident[st.slot, layer] = -1
-    flags = cache.gpu.read_outliers(layer, st.gpu_table, P // C)  # (Hkv, n): the record's outliers in the prefix
-    for h, a in enumerate(flags.sum(1).tolist()):  # per KV head: the first of its outliers, in ascending order
-        slots.outlier_k[st.slot, layer, h, :a * C] = record.outlier_k[layer, h, :a * C].to(slots.outlier_k.device)
-        slots.outlier_v[st.slot, layer, h, :a * C] = record.outlier_v[layer, h, :a * C].to(slots.outlier_v.device)
-    return prefix_keys_values(cache, layer, st, flags)
+    # all the record's outlier rows, one contiguous copy: past a head's adopted ones append_suffix makes them up
+    # (or, past st.num_outliers, nothing reads them)
+    rows = record.outlier_k.shape[2]
+    slots.outlier_k[st.slot, layer, :, :rows].copy_(record.outlier_k[layer], non_blocking=True)
+    slots.outlier_v[st.slot, layer, :, :rows].copy_(record.outlier_v[layer], non_blocking=True)
+    prefix_keys_values(cache, layer, st, keys, values)
+
+
+def adopted_outliers(cache, layer: int, st: SequenceState) -> list[int]:
+    """Outlier chunks of each KV head of the layer in the sequence's adopted prefix: the record's counts, on the
+    host (the device's flags hold the same)."""
+    return st.adopted.outliers_of(st.cached // cache.gpu.page_tokens)[layer].tolist()
 
 
 def append_suffix(cache, layer: int, st: SequenceState, k_pre: torch.Tensor, k_rot: torch.Tensor,
@@ -95,46 +107,50 @@ def append_suffix(cache, layer: int, st: SequenceState, k_pre: torch.Tensor, k_r
     in: U rows projected on the adopted basis, landmarks and values of the chunks before the window (and outliers
     made up to st.num_outliers per head), the rest exact in the window. k_pre, k_rot, v (S, Hkv, d)."""
     slots, C, P = cache.slots, cache.config.chunk_size, st.cached
-    adopted = cache.gpu.read_outliers(layer, st.gpu_table, P // C).sum(1).tolist()  # outliers per head in the prefix
     cache.gpu.write_u(layer, st.gpu_table, P, project_keys(k_pre, slots.sv[st.slot, layer]))
     middle = st.num_shadow * C - P  # new tokens that enter the shadow
     if middle:
         landmarks = chunk_landmarks(k_rot[:middle], C)
         cache.gpu.write_landmarks(layer, st.gpu_table, P // C, landmarks)
         cache.host.write(layer, st.value_table, P, v[:middle])
+        adopted = adopted_outliers(cache, layer, st)
         if min(adopted) < st.num_outliers:
             make_up_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks, adopted)
     slots.window_k[st.slot, layer, :st.window_len] = k_rot[middle:]
     slots.window_v[st.slot, layer, :st.window_len] = v[middle:]
 
 
-def prefix_keys_values(cache, layer: int, st: SequenceState, flags: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor]:
-    """Keys and values (P, Hkv, d) of a sequence's adopted prefix, for attention: keys rebuilt from U rows and the
-    slot's SV with RoPE at their true positions (as decode rebuilds a missed chunk), values read from the value
-    store; the outlier chunks (flags (Hkv, P/C)) exact, from the slot."""
+def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Keys and values (P, Hkv, d) of a sequence's adopted prefix, for attention, into keys and values: keys rebuilt
+    from U rows and the slot's SV with RoPE at their true positions (as decode rebuilds a missed chunk; fp32 math,
+    rounded once into keys), values read from the value store; the outlier chunks exact, from the slot."""
     slots, C, P = cache.slots, cache.config.chunk_size, st.cached
-    positions = torch.arange(P, device=st.gpu_table.device)
+    device = st.gpu_table.device
+    positions = torch.arange(P, device=device)
     u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
     k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[st.slot, layer].float())  # (P, Hkv, d)
-    keys = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
+    keys.copy_(cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)))
     Hkv, n = k_pre.shape[1], P // C
     if cache.spec.kernels:
-        values = fetch_prefix_values(cache, layer, st, Hkv, n)
+        values.copy_(fetch_prefix_values(cache, layer, st, Hkv, n).transpose(0, 1))
     else:
         chunks = torch.arange(n).repeat(Hkv)  # (Hkv*n,) every chunk of every head
-        values = cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C,
-                                   keys.device).view(Hkv, P, -1)
-    values = values.transpose(0, 1)  # (P, Hkv, d)
-    # every head's flagged chunks at once: a head's k-th flagged chunk (ascending) is its k-th outlier in the slot
-    heads, ids = flags.nonzero(as_tuple=True)  # (M,) each, ascending chunk per head
-    order = flags.long().cumsum(-1)[heads, ids] - 1  # (M,) rank of each among its head's outliers
-    offs = torch.arange(C, device=ids.device)
+        values.copy_(cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C,
+                                       device).view(Hkv, P, -1).transpose(0, 1))
+    # a head's k-th flagged chunk (ascending) is its k-th outlier in the slot; the counts come from the host, so no
+    # shape here depends on the device's flags
+    pairs = [(h, k) for h, a in enumerate(adopted_outliers(cache, layer, st)) for k in range(a)]
+    if not pairs:
+        return
+    heads, order = to_device(pairs, torch.int64, device).T  # (M,) each
+    flags = cache.gpu.read_outliers(layer, st.gpu_table, n)  # (Hkv, n)
+    flagged_first = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True)  # (Hkv, n), ascending within each
+    ids = flagged_first[heads, order]  # (M,)
+    offs = torch.arange(C, device=device)
     rows, src, heads = ((ids[:, None] * C + offs).flatten(), (order[:, None] * C + offs).flatten(),
                         heads.repeat_interleave(C))
-    keys[rows, heads] = slots.outlier_k[st.slot, layer][heads, src].float()
-    values[rows, heads] = slots.outlier_v[st.slot, layer][heads, src].to(values.dtype)
-    return keys, values
+    keys[rows, heads] = slots.outlier_k[st.slot, layer][heads, src]
+    values[rows, heads] = slots.outlier_v[st.slot, layer][heads, src]
 
 
 def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int) -> torch.Tensor:
@@ -146,7 +162,7 @@ def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int,
     num_miss = torch.full((1, num_kv_heads), n, dtype=torch.int32, device=device)
     out = torch.empty(1, num_kv_heads, n * C, cache.host.shape[-1], dtype=cache.host.dtype, device=device)
     region = cache.host.device_region(layer)
-    table = st.value_table[None].to(device, torch.int32)
+    table = to_device(st.value_table[None], torch.int32, device)
     fetch_values(cache.host.values[layer], table, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32,
                  device=device), out, C, host_scales=cache.host.scales_of(layer),
                  device_region=None if region is None else (*region, torch.zeros(1, dtype=torch.int32, device=device)))
@@ -160,12 +176,12 @@ def make_up_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, 
     (m, Hkv, d) of the new shadow chunks; adopted: outliers per head in the prefix."""
     slots, C, O, first = cache.slots, cache.config.chunk_size, st.num_outliers, st.cached // cache.config.chunk_size
     worst = find_outlier_chunks(k_rot, landmarks, C, O - min(adopted))  # (Hkv, D), ascending
-    ids, heads = [], []
-    for h, a in enumerate(adopted):
-        mine = worst[h, :O - a]
-        rows = (mine[:, None] * C + torch.arange(C, device=mine.device)).flatten()
-        slots.outlier_k[st.slot, layer, h, a * C:O * C] = k_rot[rows, h]
-        slots.outlier_v[st.slot, layer, h, a * C:O * C] = v[rows, h]
-        ids.append(mine + first)
-        heads.append(torch.full_like(mine, h))
-    cache.gpu.mark_outliers(layer, st.gpu_table, torch.cat(ids), torch.cat(heads))
+    # (head, its j-th made-up chunk, the slot's chunk it goes to) of every head's first O - a worst chunks
+    made_up = [(h, j, a + j) for h, a in enumerate(adopted) for j in range(O - a)]
+    heads, j, dst = to_device(made_up, torch.int64, k_rot.device).T  # (M,) each
+    mine = worst[heads, j]  # (M,)
+    offs = torch.arange(C, device=k_rot.device)
+    rows, dst, heads = mine[:, None] * C + offs, dst[:, None] * C + offs, heads[:, None]  # (M, C), (M, C), (M, 1)
+    slots.outlier_k[st.slot, layer][heads, dst] = k_rot[rows, heads]
+    slots.outlier_v[st.slot, layer][heads, dst] = v[rows, heads]
+    cache.gpu.mark_outliers(layer, st.gpu_table, mine + first, heads[:, 0])
