@@ -12,6 +12,7 @@ import torch
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.shadowkv.host_store import HostValueStore
+from shadowkv_core.shadowkv import prefill
 from shadowkv_core.shadowkv.prefill import fetch_prefix_values
 from shadowkv_core.tiny_model import build_tiny_model
 from support.prefix_cache import assert_bad_input_changes_nothing, record_prefills
@@ -144,7 +145,9 @@ def test_a_conversation_reuses_each_turns_prompt_and_answer(tiny_path, cold, mon
     assert settled(llm.engine)
 
 
-def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold):
+def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold, monkeypatch):
+    """b and c read a's cached prefix, prefilled together: its keys are rebuilt and its values read once a layer for
+    both; the pages are shared, counted once, and each gets its cold tokens."""
     llm = engine_llm(tiny_path)
     engine = llm.engine
     doc = tokens(280, 7)
@@ -154,7 +157,12 @@ def test_requests_share_a_running_prefix_then_diverge(tiny_path, cold):
     engine.step()  # a's prefill runs and indexes the whole pages of its shadow; it now decodes
     engine.add_request("b", prompts["b"], GREEDY)
     engine.add_request("c", prompts["c"], GREEDY)
+    rebuilt = []
+    rebuild = prefill.prefix_keys_values
+    monkeypatch.setattr(prefill, "prefix_keys_values", lambda cache, layer, st, *a: rebuilt.append(st.slot) or
+                        rebuild(cache, layer, st, *a))
     outs = {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert len(rebuilt) == engine.spec.num_layers and len(set(rebuilt)) == 1
     manager = shadow_of(engine)
     seqs = [manager.seqs[i] for i in range(3)]
     shared = seqs[0].gpu_pages[:4]

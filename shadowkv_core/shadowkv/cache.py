@@ -119,8 +119,10 @@ class ShadowKVCache(KVCache):
 
     def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
         """Each prompt's keys and values after its adopted prefix's (rebuilt from U rows, SV and RoPE; values from
-        the value store): every attention slice of it sees [prefix | the prompt up to its end]."""
-        return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n])
+        the value store, once for all the prompts that read one cached prefix): every attention slice of it sees
+        [prefix | the prompt up to its end]."""
+        shared = {}
+        return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n], shared)
                 for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens)]
 
     def prefill_attention(self, q, keys, values):

@@ -28,15 +28,25 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     return out
 
 
-def prompt_keys_values(cache, layer: int, st: SequenceState, k_rot: torch.Tensor,
-                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_keys_values(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
+                       shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values (st.cached + S, Hkv, d) the prompt's S queries attend over: after an adopted prefix, the
-    adopted basis and outliers go into the slot (adopt_prefix) and the prefix's keys and values come first."""
+    adopted basis and outliers go into the slot (adopt_prefix) and the prefix's keys and values come first.
+    shared: the prefixes already rebuilt for this forward's other prompts, by record and length, which readers of
+    one cached document reuse instead of rebuilding its keys and reading its values again."""
     if not st.cached:
         return k_rot, v
     P, S = st.cached, k_rot.shape[0]
     keys, values = k_rot.new_empty((P + S, *k_rot.shape[1:])), v.new_empty((P + S, *v.shape[1:]))
-    adopt_prefix(cache, layer, st, keys[:P], values[:P])
+    # RoPE that depends on the sequence's length rotates each reader's prefix its own way
+    key = None if shared is None or getattr(cache.rotary, "uses_seq_lens", False) else (id(st.adopted), P)
+    if key is not None and key in shared:
+        adopt_slot(cache, layer, st)
+        keys[:P], values[:P] = shared[key]
+    else:
+        adopt_prefix(cache, layer, st, keys[:P], values[:P])
+        if key is not None:
+            shared[key] = keys[:P], values[:P]
     keys[P:], values[P:] = k_rot, v
     return keys, values
 
@@ -84,6 +94,12 @@ def adopt_prefix(cache, layer: int, st: SequenceState, keys: torch.Tensor, value
     """The adopted basis and outliers of the sequence's prefix (st.cached tokens, whole pages) into the slot; the
     prefix's keys and values into keys, values (P, Hkv, d) (prefix_keys_values). From the record's pinned host
     tensors on CUDA: nothing here waits for the device."""
+    adopt_slot(cache, layer, st)
+    prefix_keys_values(cache, layer, st, keys, values)
+
+
+def adopt_slot(cache, layer: int, st: SequenceState) -> None:
+    """The adopted basis and outliers of the sequence's prefix into its slot."""
     slots, record = cache.slots, st.adopted
     slots.sv[st.slot, layer].copy_(record.sv[layer], non_blocking=True)  # (Hkv, r, d)
     slots.resident[st.slot, layer] = -1
@@ -92,7 +108,6 @@ def adopt_prefix(cache, layer: int, st: SequenceState, keys: torch.Tensor, value
     rows = record.outlier_k.shape[2]
     slots.outlier_k[st.slot, layer, :, :rows].copy_(record.outlier_k[layer], non_blocking=True)
     slots.outlier_v[st.slot, layer, :, :rows].copy_(record.outlier_v[layer], non_blocking=True)
-    prefix_keys_values(cache, layer, st, keys, values)
 
 
 def adopted_outliers(cache, layer: int, st: SequenceState) -> list[int]:
