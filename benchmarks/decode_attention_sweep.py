@@ -3,10 +3,8 @@ pool and its fp8 pool (issue #29), in one run: Llama-3.1-8B geometry by default 
 dim 128), 16-token pages in a shuffled block table, every sequence `--context` keys, at each `--batch`.
 
 Variants (VARIANTS): the bf16 pool; the fp8 pool with one scale per token and KV head, stored (Hkv, rows) as the
-dense cache stores them; fp8_f16, the same fp8 pool with the kernel's f16_dots (q, keys, values and weights enter
-the dots as fp16, not bf16: sm90 converts e4m3 to fp16 in one instruction), checked against the fp8 reference. The
-fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots) were measured and removed:
-docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json.
+dense cache stores them. The fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots) were measured
+and removed: docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json.
 Each variant's launches: block_n x programs per SM at num_warps 4 and Triton's default num_stages, then num_warps x
 num_stages at its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
 pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most TOLERANCE;
@@ -18,9 +16,9 @@ launch.
 
     PYTHONPATH=. python -m benchmarks.decode_attention_sweep [--batch 8 13 --context 122880] [--out PATH]
 
-Without CUDA it runs in Triton's interpreter (TRITON_INTERPRET=1, fp16, so fp8_f16 takes fp8's dots; wall-clock
-times of one call: a check that every variant runs, not a measurement), e.g. --batch 2 --context 40 --q-heads 4
---kv-heads 2 --head-dim 32 --block-n 16 --per-sm 1 --num-warps 4 --num-stages 2.
+Without CUDA it runs in Triton's interpreter (TRITON_INTERPRET=1, fp16, wall-clock times of one call: a check that
+every variant runs, not a measurement), e.g. --batch 2 --context 40 --q-heads 4 --kv-heads 2 --head-dim 32
+--block-n 16 --per-sm 1 --num-warps 4 --num-stages 2.
 """
 from __future__ import annotations
 
@@ -45,7 +43,7 @@ from shadowkv_core.shadowkv.batched_reference import dense_decode_attention_batc
 from shadowkv_core.shadowkv.reference import quantize_values  # noqa: E402
 
 PAGE = 16
-VARIANTS = ("bf16", "fp8", "fp8_f16")
+VARIANTS = ("bf16", "fp8")
 TOLERANCE = 2e-2  # max |difference| over max |reference| allowed: q's dtype rounds the dequantised keys and values
 
 
@@ -72,7 +70,7 @@ class Pools:
         (k8, ks), (v8, vs) = self.fp8
         ks, vs = ks.T.contiguous(), vs.T.contiguous()  # (Hkv, rows): the dense cache's layout
         return dict(segments=[(k8.permute(1, 0, 2)[None], v8.permute(1, 0, 2)[None], self.lens)],
-                    scales=(ks[None], vs[None]), f16_dots=variant == "fp8_f16")
+                    scales=(ks[None], vs[None]))
 
     def reference(self, variant: str, n: int) -> torch.Tensor:
         """fp32 attention of the first n sequences over the variant's (dequantised) pool, on their pages only."""

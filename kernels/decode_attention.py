@@ -15,11 +15,7 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
   scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment), any
                     strides (a dense pool's (Hkv, rows) scales, the cache's layout, as [None]); keys and values enter
                     the dots as their e4m3 values in q's dtype (exact), the key scales multiply the fp32 scores and
-                    the value scales the softmax weights. f16_dots (fp8 only): the dots take fp16 operands instead
-                    of q's dtype (q converted to fp16 once; keys, values and weights converted to fp16; fp32
-                    accumulation): sm90 converts e4m3 to fp16 in one instruction, to bf16 in several. e4m3 values
-                    (|x| <= 448) are exact in fp16, so is a bf16 q within fp16's range (|q| <= 65504: queries of a
-                    few hundred are far inside it), and the weights are at most the value scales
+                    the value scales the softmax weights
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
@@ -54,7 +50,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
                   stride_2n, stride_2h, stride_2t, stride_sn, stride_sh, stride_st, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -64,8 +60,6 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     heads = h * GROUP + offs_g
     g_mask = offs_g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    if F16_DOTS:  # fp8 only: the keys and values below, and the weights, follow q's dtype into the dots
-        q = q.to(tl.float16)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base0 = slot * stride_0n + h * stride_0h
     base1 = slot * stride_1n + h * stride_1h
@@ -129,19 +123,18 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
                      slot_ids: torch.Tensor, scale: float, max_len: int, page_table: torch.Tensor | None = None,
                      page_size: int = 0, block_n: int | None = None, split_tokens: int | None = None,
                      scales: tuple[torch.Tensor, torch.Tensor] | None = None, programs_per_sm: int | None = None,
-                     num_warps: int = 4, num_stages: int | None = None, f16_dots: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """segments: 1 to 3 of (k, v, lens); max_len >= the longest sequence's key count (a bound, no host sync).
     block_n: keys per loop step; split_tokens (a multiple of block_n): keys per split; by default enough splits for
     programs_per_sm programs on every SM. fp8 pools take wider steps and more programs: half the bytes per key leave
     each program more latency to hide.
     scales (fp8 pools): any strides, the same for both. num_warps, num_stages: the split kernel's launch (num_stages
-    None: Triton's default). f16_dots (fp8 pools only): fp16 dots, see the module's docstring."""
+    None: Triton's default)."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
     assert slot_ids.shape == (B,) and slot_ids.dtype == torch.int32
     kv_dtype = q.dtype if scales is None else torch.float8_e4m3fn
-    assert scales is not None or not f16_dots, "f16_dots: fp8 pools only"
     for k, v, lens in segments:
         assert k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride() and k.stride(3) == 1, k.shape
         assert k.shape[3] == d and Hq % k.shape[1] == 0 and k.dtype == v.dtype == kv_dtype
@@ -188,7 +181,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         k2.stride(0), k2.stride(1), k2.stride(2), *stride_s, page_table.stride(0), part_m.stride(0),
         part_acc.stride(0), GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOTS=f16_dots, **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

@@ -52,16 +52,15 @@ def _check_dense(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, **
     assert_close(got, expected, dtype, "dense paged decode attention")
 
 
-def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, head_major=True, q_scale=1.0,
-                     **launch):
+def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, head_major=True, **launch):
     """fp8 pools with one scale per token and KV head (the dense cache's kv_cache_dtype fp8): the kernel reads them
-    dequantised to q's dtype (fp16 with f16_dots), as the reference does. Scales stored (Hkv, rows), the cache's
-    layout, or (rows, Hkv) without head_major (the kernel takes any strides). q: standard normal times q_scale."""
+    dequantised to q's dtype, as the reference does. Scales stored (Hkv, rows), the cache's layout, or (rows, Hkv)
+    without head_major (the kernel takes any strides)."""
     g = torch.Generator().manual_seed(seed)
     table, num_blocks = page_tables(context_lens, block_size, g)
     k_pool, k_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
     v_pool, v_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
-    q = (q_scale * torch.randn(len(context_lens), Hq, d, generator=g)).to(device, dtype)
+    q = torch.randn(len(context_lens), Hq, d, generator=g).to(device, dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     table = table.to(device)
     scale = d ** -0.5
@@ -75,9 +74,7 @@ def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0
         k_scales, v_scales = k_scales.T, v_scales.T
     got = decode_attention(q, [pool], slot_ids, scale, max(context_lens), page_table=table, page_size=block_size,
                            scales=(k_scales[None], v_scales[None]), **launch)  # (1, Hkv, rows)
-    # f16_dots rounds an fp32 q and the weights to fp16: fp16's tolerance (bf16's stays the looser)
-    tol_dtype = torch.float16 if launch.get("f16_dots") and dtype == torch.float32 else dtype
-    assert_close(got, expected, tol_dtype, "dense paged decode attention, fp8 pools")
+    assert_close(got, expected, dtype, "dense paged decode attention, fp8 pools")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -102,9 +99,6 @@ def test_dense_decode_attention_fp8_small(context_lens, Hq, Hkv, dtype):
 FP8_VARIANTS = {  # the sweep's axes (benchmarks/decode_attention_sweep.py) and the scales' strides
     "rows_major_scales": dict(head_major=False),
     "launch": dict(num_warps=8, num_stages=2, programs_per_sm=2),
-    "f16_dots": dict(f16_dots=True),  # the sweep's fp8_f16
-    # queries of a few hundred: far inside fp16's range (65504), the scores accumulate in fp32
-    "f16_dots_large_q": dict(f16_dots=True, q_scale=300.0),
 }
 
 
@@ -112,15 +106,9 @@ FP8_VARIANTS = {  # the sweep's axes (benchmarks/decode_attention_sweep.py) and 
 @pytest.mark.parametrize("context_lens,Hq,Hkv", [([129], 6, 3), ([17, 95, 48, 3, 64], 4, 4)])
 @pytest.mark.parametrize("variant", list(FP8_VARIANTS))
 def test_dense_decode_attention_fp8_variants(variant, context_lens, Hq, Hkv, dtype):
-    """Odd block counts, ragged batches, GQA groups. f16_dots with an fp32 q: its fp16 conversions (an fp16 q is
-    already the dots' dtype)."""
+    """Odd block counts, ragged batches, GQA groups."""
     _check_dense_fp8(context_lens, Hq, Hkv, 32, 16, dtype, DEVICE, block_n=16, split_tokens=48,
                      **FP8_VARIANTS[variant])
-
-
-def test_decode_attention_f16_dots_needs_fp8_pools():
-    with pytest.raises(AssertionError, match="f16_dots: fp8 pools only"):
-        _check_dense([33], 4, 2, 32, 16, torch.float16, DEVICE, f16_dots=True)
 
 
 @pytest.mark.gpu
