@@ -94,12 +94,13 @@ def test_max_num_seqs_overrides_the_config(tmp_path):
     out = tmp_path / "two.json"
     run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL, "--events",
                "--scenarios", "shared_doc", "--methods", "dense", "--no-isolate", "--max-num-seqs", "2",
+               "--prefill-step-tflop", "0.5",
                "--out", str(out), timeout_s=600)
     (row,) = json.loads(out.read_text())["rows"]
     check_run([row], [("shared_doc", "dense")])
     spans = [(q["events"][0][0], q["events"][-1][0]) for q in row["request_records"]]  # first token to last
     busiest = max(sum(first <= t < last for first, last in spans) for t, _ in spans)
-    assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2
+    assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2 and row["prefill_step_tflop"] == 0.5
 
 
 def test_hugging_face_serves_the_workload(tmp_path):

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
+    parser.add_argument("--prefill-step-tflop", type=float, default=None,
+                        help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="override the config's max_num_seqs, the sequences an engine runs at once")
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
@@ -101,8 +103,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     app_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
     if args.max_num_seqs is not None:
         app_args = {**app_args, "max_num_seqs": args.max_num_seqs}
-    if args.prefix_caching is not None:
-        app_args = {**app_args, "engine": {**app_args.get("engine", {}), "enable_prefix_caching": args.prefix_caching}}
+    overrides = {key: value for key, value in (("enable_prefix_caching", args.prefix_caching),
+                                               ("prefill_step_tflop", args.prefill_step_tflop)) if value is not None}
+    app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size
         dump = {s: describe(make_workload(s, args.seed, vocab, args.scale, args.count_scale, args.rate))

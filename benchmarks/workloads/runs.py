@@ -84,6 +84,7 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         prefix = {k: v for k, v in engine.stats().items() if k.startswith("prefix_")}
         return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(), **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
+                       prefill_step_tflop=engine.config.prefill_step_tflop,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
                        unfinished=sum(r.error == UNFINISHED for r in records))
     finally:
