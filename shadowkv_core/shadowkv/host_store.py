@@ -22,7 +22,9 @@ from shadowkv_core.numa import NumaPlacement, load_libnuma
 from shadowkv_core.shadowkv.reference import (FP8, dequantize_values, gather_scales, gather_values,
                                               quantize_values)
 
-OS_PAGE = 4096
+# Pinned regions start and end on this boundary, a huge page's: with transparent huge pages two neighbouring
+# allocations can share one, and cudaHostRegister refuses a range that shares a page with one registered before.
+PIN_ALIGN = 2 << 20
 
 
 class HostValueStore:
@@ -77,15 +79,14 @@ class HostValueStore:
 
     def _allocate_region(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one host allocation of the store (values, then fp8 scales), bound to the GPU's NUMA node before
-        anything touches it. Pinned regions start and end on OS page boundaries: cudaHostRegister refuses a range
-        that shares a page with one registered before."""
+        anything touches it. It starts and ends on PIN_ALIGN boundaries."""
         value_dtype = FP8 if self.fp8 else self.dtype
         value_bytes = math.prod(self.shape) * value_dtype.itemsize
         scale_offset = -(-value_bytes // 16) * 16
         nbytes = scale_offset + (math.prod(self.scales_shape) * 4 if self.fp8 else 0)
-        span = -(-nbytes // OS_PAGE) * OS_PAGE
-        raw = torch.empty(span + OS_PAGE, dtype=torch.uint8)  # not yet touched: no physical page placed
-        start = -raw.data_ptr() % OS_PAGE
+        span = -(-nbytes // PIN_ALIGN) * PIN_ALIGN
+        raw = torch.empty(span + PIN_ALIGN, dtype=torch.uint8)  # not yet touched: no physical page placed
+        start = -raw.data_ptr() % PIN_ALIGN
         region = raw[start:start + span]
         if self.placement is not None:
             self.numa_bound = self.placement.bind_memory(region.data_ptr(), span, load_libnuma())
