@@ -1,11 +1,11 @@
 """Prefill attention of chunks (queries [s, e) against keys [0, e), causal on the diagonal), held to
-shadowkv_core.attention.prefill_chunks_attention_ref: the Triton kernel on ragged batches, and the split SDPA
-and cuDNN candidates per sequence."""
+shadowkv_core.attention.prefill_chunks_attention_ref: the Triton kernel on ragged batches (whole and split over the
+keys), and the split SDPA and cuDNN candidates per sequence."""
 import pytest
 import torch
 
 from test_kernels_utils import DEVICE, LLAMA, assert_close, ragged_lengths
-from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention import choose_num_splits, prefill_attention
 import shadowkv_core.attention as attention
 from shadowkv_core.attention import (chunk_attention, prefill_attention_ref, prefill_attention_split,
                                      prefill_chunks_attention_ref)
@@ -66,6 +66,57 @@ def test_prefill_attention_is_causal_on_the_diagonal():
     assert not torch.allclose(after[19], before[19])
 
 
+# Key splits on a ragged batch: a long prefix, a whole short prompt, a chunk of a few blocks, a chunk wider than the
+# query block, one query of one key (with 5 splits all but the last split are empty for most of these).
+SPLIT_CHUNKS = [(1, 397), (7, 7), (50, 61), (129, 290), (1, 1)]
+SPLIT_BLOCKS = dict(block_m=64, block_n=16, num_warps=4, num_stages=1)  # 129 queries in 3 blocks: fewer programs
+
+
+def _check_split(chunks, Hq, Hkv, d, dtype, device, num_splits, seed, num_sms=None, without_lse=False,
+                 **launch):
+    q, k, v, cu_q, cu_k = _inputs(chunks, Hq, Hkv, d, dtype, device, seed)
+    scale = d ** -0.5
+    want_out, want_lse = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, scale)
+    max_q, max_k = max(n for n, _ in chunks), max(e for _, e in chunks)
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, return_lse=True, max_seqlen_k=max_k,
+                                 num_splits=num_splits, num_sms=num_sms, **launch)
+    name = f"prefill attention, {num_splits or 'auto'} splits"
+    assert_close(out, want_out, dtype, name)
+    assert_close(lse, want_lse, dtype, name + " lse", tol=LSE_TOL)
+    if without_lse:
+        assert_close(prefill_attention(q, k, v, cu_q, cu_k, max_q, scale, max_seqlen_k=max_k, num_splits=num_splits,
+                                       num_sms=num_sms, **launch), want_out, dtype, name + " without lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits,Hq,Hkv,d", [(1, 2, 2, 64), (2, 4, 1, 128), (3, 8, 1, 64), (5, 2, 2, 128),
+                                                 (5, 8, 2, 64)])
+def test_prefill_attention_key_splits(num_splits, Hq, Hkv, d, dtype):
+    """Explicit splits, GQA ratios 1, 4 and 8: each split's share of a sequence's keys, empty ones merged away."""
+    _check_split(SPLIT_CHUNKS, Hq, Hkv, d, dtype, DEVICE, num_splits, seed=num_splits + Hq, **SPLIT_BLOCKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_auto_splits(dtype):
+    """num_splits=None on a grid of 4 heads x 1 query block x 3 sequences, given 4 times as many SMs, splits the
+    keys 4 ways (one full wave), with and without the lse."""
+    chunks, Hq = SPLIT_CHUNKS[:3], 4
+    assert choose_num_splits(Hq, len(chunks), 50, 397, DEVICE, 64, 16, num_sms=48) == 4
+    _check_split(chunks, Hq, 1, 128, dtype, DEVICE, None, seed=11, num_sms=48, without_lse=True, **SPLIT_BLOCKS)
+
+
+def test_choose_num_splits():
+    """The Llama-8B suffix prefill: one reader's 32 programs on 132 SMs split 4 ways (128 programs, one wave); a
+    batch that fills the GPU, short keys, or no SM count (off CUDA) do not split."""
+    assert choose_num_splits(32, 1, 125, 122_880, "cuda", num_sms=132) == 4
+    assert choose_num_splits(32, 1, 50, 32_768, "cuda", num_sms=132) == 4
+    assert choose_num_splits(32, 2, 125, 122_880, "cuda", num_sms=132) == 2
+    assert choose_num_splits(32, 14, 125, 122_880, "cuda", num_sms=132) == 1
+    assert choose_num_splits(32, 1, 400, 122_880, "cuda", num_sms=132) == 1
+    assert choose_num_splits(32, 1, 125, 300, "cuda", num_sms=132) == 1
+    assert choose_num_splits(32, 1, 125, 122_880, "cpu") == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_q,n_k,Hq,Hkv", [(37, 37, 4, 4), (21, 90, 8, 2), (1, 45, 8, 1), (50, 83, 16, 2)])
 def test_prefill_attention_split(n_q, n_k, Hq, Hkv, dtype):
@@ -85,6 +136,28 @@ def _llama_chunks(context: int, chunk: int, batch: int, seed: int) -> list[tuple
 def test_prefill_attention_llama(context, chunk, batch, d):
     chunks = _llama_chunks(context, chunk, batch, seed=context)
     _check(chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], d, torch.bfloat16, "cuda", seed=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, 5, None])
+@pytest.mark.parametrize("Hq,Hkv,d", [(32, 8, 128), (32, 32, 128), (16, 2, 64)])
+def test_prefill_attention_key_splits_llama(num_splits, Hq, Hkv, d):
+    chunks = [(1, 9001), (50, 50), (129, 4099), (7, 3001)]
+    _check_split(chunks, Hq, Hkv, d, torch.bfloat16, "cuda", num_splits, seed=Hq + d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_prefill_attention_auto_splits_long_prefix(batch):
+    """The suffix prefill's shape (125 queries after 122,880 keys per sequence): the automatic split gives the
+    unsplit kernel's outputs and lse."""
+    chunks = [(125, 122_880)] * batch
+    q, k, v, cu_q, cu_k = _inputs(chunks, 32, 8, 128, torch.bfloat16, "cuda", seed=batch)
+    scale = 128 ** -0.5
+    want_out, want_lse = prefill_attention(q, k, v, cu_q, cu_k, 125, scale, return_lse=True, num_splits=1)
+    out, lse = prefill_attention(q, k, v, cu_q, cu_k, 125, scale, return_lse=True, max_seqlen_k=122_880)
+    assert_close(out, want_out, torch.bfloat16, "auto-split prefill attention")
+    assert_close(lse, want_lse, torch.bfloat16, "auto-split prefill attention lse", tol=LSE_TOL)
 
 
 @pytest.mark.gpu
