@@ -62,7 +62,8 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     on CUDA in half precision (head dims it takes), else "sdpa". "sdpa", attention_ref itself (SDPA with a
     causal_lower_right bias); "sdpa_split", prefill_attention_split by SDPA's flash kernel; "cudnn", the same split
     by its cuDNN kernel (CUDA); "triton", kernels/prefill_attention.py (CUDA, or Triton's interpreter; head dims 64
-    and 128)."""
+    and 128), its keys split across programs where one chunk's grid leaves SMs idle (a short suffix after a long
+    prefix)."""
     if implementation == AUTO:  # SDPA on a square causal block; after earlier keys the Triton kernel, whose compiled
         # launch serves every shape (cuDNN builds a plan per new query and key count: every chunk of a prefill)
         after_keys = _scores_never_exist(q) and k.shape[0] > q.shape[0] and q.shape[-1] in HEAD_DIMS
@@ -73,7 +74,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return prefill_attention_split(q, k, v, scale, _cudnn_with_lse)
     if implementation == "triton":
         cu_q, cu_k = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device)
-        return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale)
+        return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale, max_seqlen_k=k.shape[0])
     return attention_ref(q, k, v, scale, causal=True)
 
 

@@ -105,6 +105,18 @@ def test_prefill_attention_auto_splits(dtype):
     _check_split(chunks, Hq, 1, 128, dtype, DEVICE, None, seed=11, num_sms=48, without_lse=True, **SPLIT_BLOCKS)
 
 
+def test_chunk_attention_passes_its_key_count(monkeypatch):
+    """chunk_attention's Triton path bounds the keys by its own key count (a Python int, no sync), so a suffix after
+    a long prefix can split: here the choice is forced to 3 splits, against the reference."""
+    import kernels.prefill_attention as kernel
+    seen = []
+    monkeypatch.setattr(kernel, "choose_num_splits", lambda *a, **kw: seen.append(a[3]) or 3)
+    q, k, v, cu_q, cu_k = _inputs([(20, 203)], 4, 1, 64, torch.float32, DEVICE, seed=5)
+    want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, 0.125)
+    assert_close(chunk_attention(q, k, v, 0.125, "triton"), want, torch.float32, "split chunk attention")
+    assert seen == [203]
+
+
 def test_choose_num_splits():
     """The Llama-8B suffix prefill: one reader's 32 programs on 132 SMs split 4 ways (128 programs, one wave); a
     batch that fills the GPU, short keys, or no SM count (off CUDA) do not split."""
