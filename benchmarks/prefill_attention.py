@@ -14,7 +14,14 @@ Each is first checked against shadowkv_core.attention.prefill_chunks_attention_r
 the prompt's first and last chunks; then timed (median, triton.testing.do_bench) and the prompt's attention FLOPs
 over the time give TFLOP/s.
 
+`--short-queries` runs instead the case set "short queries over a long prefix" (a prefix-cache suffix prefill: each of
+`--readers` sequences has its own cached prefix of `--prefix-keys` keys and `--short-query-counts` new queries, all in
+one ragged launch of the Triton kernel): num_splits=1 against the automatic key split (the split count it chose in the
+row); the unsplit kernel's outputs checked against the reference on the first reader's last `--check-rows` queries,
+the split's against the unsplit kernel's on every query.
+
     PYTHONPATH=. python -m benchmarks.prefill_attention [--out prefill_attention.json]
+    PYTHONPATH=. python -m benchmarks.prefill_attention --short-queries [--out prefill_attention_short_queries.json]
     (as a module: run as a script, this file would shadow the kernels package)
 """
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 import triton
 
 from benchmarks.report import print_table, write_json
-from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention import choose_num_splits, prefill_attention
 from shadowkv_core.attention import chunk_attention, prefill_chunks_attention_ref
 from shadowkv_core.config import PREFILL_ATTENTIONS
 
@@ -118,9 +125,47 @@ def run_prompt(prompt: int, args, dtype, device) -> list[dict]:
     return rows
 
 
+def run_short_queries(prefix: int, n_q: int, readers: int, args, dtype, device) -> list[dict]:
+    """`readers` sequences of n_q queries after their own prefix of `prefix` keys, in one launch: rows for
+    num_splits=1 and for the automatic split."""
+    g = torch.Generator(device).manual_seed(prefix + n_q + readers)
+    n_k = prefix + n_q
+    q = torch.randn(readers * n_q, args.q_heads, args.head_dim, generator=g, device=device, dtype=dtype)
+    k, v = (torch.randn(readers * n_k, args.kv_heads, args.head_dim, generator=g, device=device, dtype=dtype)
+            for _ in range(2))
+    cu_q, cu_k = (torch.arange(0, readers + 1, dtype=torch.int32, device=device) * n for n in (n_q, n_k))
+    scale = args.head_dim ** -0.5
+    flops = readers * attention_flops(prefix, n_k, args.q_heads, args.head_dim)
+    auto = choose_num_splits(args.q_heads, readers, n_q, n_k, torch.device(device), num_sms=args.num_sms)
+
+    def attend(num_splits):
+        return prefill_attention(q, k, v, cu_q, cu_k, n_q, scale, max_seqlen_k=n_k, num_splits=num_splits,
+                                 num_sms=args.num_sms)
+    atol, rtol = TOLERANCES[dtype]
+    lo = n_q - min(args.check_rows, n_q)  # the first reader's last queries, a chunk the reference takes as is
+    cu = torch.tensor([[0, n_q - lo], [0, n_k]], dtype=torch.int32, device=device)
+    want, _ = prefill_chunks_attention_ref(q[lo:n_q], k[:n_k], v[:n_k], cu[0], cu[1], scale)
+    unsplit = attend(1).float()
+    errors = {1: ((unsplit[lo:n_q] - want.float()).abs() / (atol + rtol * want.float().abs())).max().item(),
+              None: ((attend(None).float() - unsplit).abs() / (atol + rtol * unsplit.abs())).max().item()}
+    if max(errors.values()) > 1:
+        raise SystemExit(f"prefix {prefix}, {n_q} queries, {readers} readers: num_splits=1 against the reference, "
+                         f"the automatic split against num_splits=1, errors {errors} x tolerance")
+    rows = []
+    for method, num_splits in (("triton_splits1", 1), ("triton_auto", None)):
+        ms = bench(lambda: attend(num_splits))
+        rows.append(dict(prefix=prefix, queries=n_q, readers=readers, method=method,
+                         num_splits=auto if num_splits is None else 1, time_ms=ms, flops=flops,
+                         tflops=flops / ms / 1e9, error_over_tolerance=errors[num_splits]))
+    for row in rows:
+        row["speedup"] = rows[0]["time_ms"] / row["time_ms"]  # over num_splits=1
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="prefill_attention.json", help="relative paths land in benchmarks/results/")
+    parser.add_argument("--out", help="relative paths land in benchmarks/results/ (default prefill_attention.json, "
+                                      "prefill_attention_short_queries.json with --short-queries)")
     parser.add_argument("--prompts", type=int, nargs="+", default=[32 * 1024, 122_880])
     parser.add_argument("--chunk", type=int, default=8192, help="queries per chunk (EngineConfig.prefill_chunk_tokens)")
     parser.add_argument("--q-heads", type=int, default=32)
@@ -129,13 +174,33 @@ def main() -> None:
     parser.add_argument("--check-rows", type=int, default=128, help="queries checked at each end of a chunk")
     parser.add_argument("--triton-launches", nargs="*", default=DEFAULT_LAUNCHES,
                         help="block_m,block_n,num_warps,num_stages of the Triton kernel to try on whole prompts")
+    parser.add_argument("--short-queries", action="store_true",
+                        help="run only the case set 'short queries over a long prefix' (key splits)")
+    parser.add_argument("--prefix-keys", type=int, nargs="+", default=[122_880, 32_768],
+                        help="--short-queries: each reader's cached prefix")
+    parser.add_argument("--short-query-counts", type=int, nargs="+", default=[50, 125, 400],
+                        help="--short-queries: new queries per reader")
+    parser.add_argument("--readers", type=int, nargs="+", default=[1, 14, 32],
+                        help="--short-queries: sequences in one launch, each with its own prefix")
+    parser.add_argument("--num-sms", type=int, help="--short-queries: the SM count the automatic split assumes "
+                                                    "(default the device's; off CUDA no split)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # Triton's CPU interpreter gets bf16 wrong
     start = time.time()
+    if args.short_queries:
+        rows = [row for prefix in args.prefix_keys for n_q in args.short_query_counts for readers in args.readers
+                for row in run_short_queries(prefix, n_q, readers, args, dtype, device)]
+        path = write_json(args.out or "prefill_attention_short_queries.json", rows, dtype=str(dtype),
+                          q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                          seconds=time.time() - start)
+        print(f"\n{path}: {dtype}, {args.q_heads}/{args.kv_heads} heads, head dim {args.head_dim}, "
+              "short queries over a long prefix")
+        print_table(rows, ["prefix", "queries", "readers", "method", "num_splits", "time_ms", "tflops", "speedup"])
+        return
     rows = [row for prompt in args.prompts for row in run_prompt(prompt, args, dtype, device)]
-    path = write_json(args.out, rows, dtype=str(dtype), q_heads=args.q_heads, kv_heads=args.kv_heads,
-                      head_dim=args.head_dim, chunk=args.chunk, seconds=time.time() - start)
+    path = write_json(args.out or "prefill_attention.json", rows, dtype=str(dtype), q_heads=args.q_heads,
+                      kv_heads=args.kv_heads, head_dim=args.head_dim, chunk=args.chunk, seconds=time.time() - start)
     print(f"\n{path}: {dtype}, {args.q_heads}/{args.kv_heads} heads, head dim {args.head_dim}, chunks of {args.chunk}")
     print_table(rows, ["prompt", "method", "form", "time_ms", "tflops", "error_over_tolerance"])
 

@@ -21,3 +21,18 @@ def test_prefill_attention_benchmark_smoke(tmp_path):
         assert r["chunks"] == len(r["chunk_ms"]) == (-(-r["prompt"] // 16) if r["form"] == "chunked" else 1)
         assert r["flops"] == 4 * 4 * 64 * r["prompt"] * (r["prompt"] + 1) // 2
         assert 0 <= r["error_over_tolerance"] <= 1 and r["time_ms"] > 0
+
+
+def test_prefill_attention_benchmark_short_queries_smoke(tmp_path):
+    """--short-queries alone: num_splits=1 and the automatic split (given SMs enough to split) per case."""
+    out = tmp_path / "short_queries.json"
+    run_module("benchmarks.prefill_attention", "--short-queries", "--prefix-keys", "600", "--short-query-counts", "5",
+               "--readers", "1", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--num-sms", "16",
+               "--out", str(out), timeout_s=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["readers"], r["method"], r["num_splits"]) for r in rows] == [
+        (1, "triton_splits1", 1), (1, "triton_auto", 2), (2, "triton_splits1", 1), (2, "triton_auto", 2)]
+    for r in rows:
+        assert r["prefix"] == 600 and r["queries"] == 5 and r["time_ms"] > 0
+        assert r["flops"] == r["readers"] * 4 * 4 * 64 * (5 * 600 + 5 * 6 // 2)
+        assert 0 <= r["error_over_tolerance"] <= 1
