@@ -1,6 +1,8 @@
 """The accuracy harness's two multi-step tasks (benchmarks/accuracy_runs.py): tokens fed through decode steps are the
 tokens the model sees, the long-generation prompt is the needle's prompt less its question, and each turn of a
 conversation re-sends the one before it with its answer."""
+from types import SimpleNamespace
+
 import pytest
 
 import benchmarks.accuracy_runs as runs
@@ -39,14 +41,16 @@ def test_each_turn_resends_the_conversation_with_the_methods_own_answers(monkeyp
     samples = [make_sample(MULTITURN, 2048, seed, turn=0, templates=VARIED) for seed in range(2)]
     seen = []
 
-    def answers(llm, prompts):  # the model: right on sample 0, wrong on sample 1
+    def answers(llm, prompts, tag, close):  # the model: right on sample 0, wrong on sample 1
         seen.append([list(p) for p in prompts])
         turn = len(seen) - 1
         right = samples[0].answer if turn == 0 else samples[0].turns[turn - 1].answer
         return [right, "0000000"], []
 
+    stats = dict.fromkeys(runs.PREFIX_STATS.values(), 0)
+    engine = SimpleNamespace(cache=SimpleNamespace(stats=lambda: stats), close=lambda: None)
     monkeypatch.setattr(runs, "generate", answers)
-    scores, _ = runs.conversation(lambda longest: None, samples)
+    scores, _, _ = runs.conversation(lambda longest: SimpleNamespace(engine=engine), samples)
     assert len(seen) == 5 and scores == [[100.0] * 5, [0.0] * 5]
     assert seen[0] == [s.prompt_ids for s in samples]
     for turn in range(1, 5):
