@@ -7,7 +7,13 @@ prompts, greedy; and the drivers of its two tasks that go beyond one prompt and 
   feeds text), so every method decodes the same tokens and a wrong guess never compounds; they pass through the
   decode path, so the window folds every decode_window / 2 tokens and the question is asked after every fold.
 - niah_multiturn: MULTITURN_TURNS needles, one asked per turn; each turn re-sends the whole conversation (the
-  prompt, then each earlier question and the method's own answer) as a new request, prefilled anew.
+  prompt, then each earlier question and the method's own answer) as a new request. A method builds a new engine per
+  turn, so every turn is prefilled anew (a cold re-prefill); a cached method (CACHED) builds its uncached method's
+  engine once for every turn, so that each turn after the first starts with the turn before it (prompt and answer) in
+  the engine's prefix cache and prefills only the rest. Its cache holds every sample's longest conversation twice over
+  (live, and cached beside it), so that no turn evicts a prefix another sample is yet to adopt. Each turn's
+  prefix-cache hit and query tokens and evictions are recorded (a new engine hits nothing). A single-prompt task would
+  run a cached method as its uncached one: it runs niah_multiturn only.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import random
 from pathlib import Path
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core.memory_model import GIB, load_geometry, seq_bytes
 from shadowkv_core.models.loader import read_config
 from shadowkv_core.shadowkv.baselines import SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.quest import QuestScorer
@@ -30,12 +37,19 @@ MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 LONGGEN_TOKENS = 2048
 TIMED_DEVICE_VALUE_SHARE = 0.375  # the timed configuration's device tier (docs/benchmarks.md's headline)
 
-DENSE = ("dense", "dense_fp8")  # full attention: no budget
+DENSE = ("dense", "dense_fp8", "dense_prefix")  # full attention: no budget
 SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer}
 EVICTION = ("streamingllm", "snapkv")
+# a conversation's turns on one engine, served from its prefix cache: the method each runs as
+CACHED = {"shadowkv_prefix": "shadowkv", "dense_prefix": "dense"}
 # fp8 values; fp8 landmarks as well; the timed configuration (kernels, CUDA graphs, async and pipelined decode where
 # the device has them, fp8 values, the device tier)
-METHODS = (*DENSE, "shadowkv", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm", "shadowkv_timed")
+METHODS = (*DENSE, "shadowkv", "shadowkv_prefix", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm",
+           "shadowkv_timed")
+# what conversation() records of the engine's prefix cache each turn: its field -> the cache's stat
+PREFIX_STATS = {"hit_tokens": "prefix_hit_tokens", "query_tokens": "prefix_query_tokens",
+                "evictions": "prefix_evictions"}
+CACHE_GIB = 2  # device and host cache of every engine; a cached method's adds room for its conversations
 
 
 def shadowkv_config(model: str, context: int, budget: float, rank_share: float = RANK_SHARE,
@@ -66,32 +80,47 @@ def method_config(model: str, method: str, context: int, budget: float, rank_sha
 
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
-          max_model_len: int, forced: bool = False) -> LLM:
-    """The method's engine. Every method but shadowkv_timed runs the PyTorch reference decode path (the selection
-    policies need it; the kernels equal it by test); shadowkv_timed runs what the engine does by default on the
-    device. `forced`: each step read back before the next (teacher forcing rewrites the token a step sampled)."""
+          max_model_len: int, forced: bool = False, conversations: int = 0) -> LLM:
+    """The method's engine (a cached method's: its uncached method's). Every method but shadowkv_timed runs the
+    PyTorch reference decode path (the selection policies need it; the kernels equal it by test); shadowkv_timed runs
+    what the engine does by default on the device. `forced`: each step read back before the next (teacher forcing
+    rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
+    beyond CACHE_GIB (live, and their prefixes cached beside them)."""
+    method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
     speed = {} if method == "shadowkv_timed" else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False
+    gib = CACHE_GIB + _conversations_gib(model, config, conversations, max_model_len)
     llm = LLM(model=model, device=device, shadowkv=config, max_model_len=max_model_len, max_num_seqs=64,
-              gpu_cache_gib=2, host_cache_gib=2, kv_cache_dtype="fp8" if method == "dense_fp8" else "auto", **speed)
+              gpu_cache_gib=gib, host_cache_gib=gib, kv_cache_dtype="fp8" if method == "dense_fp8" else "auto",
+              **speed)
     if method in SCORERS:
         llm.engine.cache.shadow.chunk_scorer = SCORERS[method]()
     return llm
 
 
-def generate(llm: LLM, prompts: list[list[int]], forced: list[list[int]] | None = None) -> tuple[list[str],
-                                                                                                  list[float]]:
+def _conversations_gib(model: str, config: ShadowKVConfig | None, conversations: int, tokens: int) -> float:
+    """GiB (device and host alike) holding `conversations` sequences of `tokens` tokens twice over, with every value on
+    the host: an "auto" device value share is the one under which the pools hold the most, no fewer than with none."""
+    if config is not None:
+        config = dataclasses.replace(config, device_value_share=0.0)
+    need = seq_bytes(load_geometry(model, dtype_bytes=4), config, tokens, 0)  # fp32: the widest dtype a device runs
+    return 2 * conversations * max(need.gpu, need.host) / GIB
+
+
+def generate(llm: LLM, prompts: list[list[int]], forced: list[list[int]] | None = None, tag: str = "",
+             close: bool = True) -> tuple[list[str], list[float]]:
     """Greedy completions of `prompts` (each after its `forced` tokens, fed one decode step at a time), and the
-    cache's hit rate at each decode step that selected chunks."""
+    cache's hit rate at each decode step that selected chunks. Request ids are f"{tag}{i}": an engine kept open
+    (`close` False) for later calls takes a new tag for each."""
     engine, forced = llm.engine, forced or [[] for _ in prompts]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0) if not f else
               SamplingParams(max_tokens=len(f) + MAX_TOKENS, temperature=0, ignore_eos=True) for f in forced]
     seqs = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"{i}", prompt, p)
-        seqs.append(engine.requests[f"{i}"])
+        engine.add_request(f"{tag}{i}", prompt, p)
+        seqs.append(engine.requests[f"{tag}{i}"])
     shadow = getattr(engine.cache, "shadow", None)
     hit_rates = []
     while engine.has_unfinished_requests():
@@ -105,7 +134,8 @@ def generate(llm: LLM, prompts: list[list[int]], forced: list[list[int]] | None 
     filled = getattr(scorer, "bounds", getattr(scorer, "votes", None))  # what Quest's or SnapKV's prefill fills
     if filled is not None and not filled:
         raise RuntimeError("the selection policy was never called: this cache path ignores chunk_scorer")
-    engine.close()
+    if close:
+        engine.close()
     return [_answer(seq.output_token_ids[len(f):]) for seq, f in zip(seqs, forced)], hit_rates
 
 
@@ -124,17 +154,38 @@ def longgen_parts(sample: Sample, text: str, tokens: int = LONGGEN_TOKENS) -> tu
     return sample.prompt_ids[:-len(question)], filler + question
 
 
-def conversation(llm_for_turn, samples: list[Sample]) -> tuple[list[list[float]], list[float]]:
-    """Each sample's score per turn (0 or 100 per item share) and the hit rates: turn t's prompts are the samples'
-    conversations so far, each earlier answer the method's own. llm_for_turn(max_prompt_len) builds an engine."""
+def conversation(llm_for_turn, samples: list[Sample], cached: bool = False) -> tuple[list[list[float]], list[float],
+                                                                                    dict[str, list[int]]]:
+    """Each sample's score per turn (0 or 100 per item share), the hit rates and the prefix cache's work per turn
+    (hit_tokens, query_tokens, evictions): turn t's prompts are the samples' conversations so far, each earlier answer
+    the method's own. llm_for_turn(max_prompt_len) builds an engine: one per turn, or, `cached`, one for every turn,
+    for the longest prompt the last turn can have (conversation_len), closed after it."""
     prompts = [list(s.prompt_ids) for s in samples]
     asked = [[(s.items, s.question)] + [(t.items, t.question) for t in s.turns] for s in samples]
-    scores, hit_rates = [[] for _ in samples], []
+    scores, hit_rates, prefix = [[] for _ in samples], [], {key: [] for key in PREFIX_STATS}
+    shared = llm_for_turn(conversation_len(samples)) if cached else None
+    last = dict.fromkeys(PREFIX_STATS.values(), 0)  # the engine's counts before this turn (a new engine's: none)
     for turn in range(len(asked[0])):
-        texts, rates = generate(llm_for_turn(max(map(len, prompts))), prompts)
+        llm = shared if cached else llm_for_turn(max(map(len, prompts)))
+        texts, rates = generate(llm, prompts, tag=f"{turn}.", close=False)
+        stats = llm.engine.cache.stats()
+        for key, stat in PREFIX_STATS.items():
+            prefix[key].append(stats[stat] - last[stat])
+        if cached:
+            last = stats
+        else:
+            llm.engine.close()
         hit_rates += rates
         for i, text in enumerate(texts):
             scores[i].append(score(dataclasses.replace(samples[i], items=asked[i][turn][0]), text))
             if turn + 1 < len(asked[i]):
                 prompts[i] += list(text.encode("ascii", "replace")) + list(asked[i][turn + 1][1].encode("ascii"))
-    return scores, hit_rates
+    if cached:
+        shared.engine.close()
+    return scores, hit_rates, prefix
+
+
+def conversation_len(samples: list[Sample]) -> int:
+    """The longest prompt a conversation's last turn can have: its first prompt, every later question and an answer
+    of up to MAX_TOKENS after each turn before it."""
+    return max(len(s.prompt_ids) + sum(len(t.question) + MAX_TOKENS for t in s.turns) for s in samples)

@@ -1,13 +1,22 @@
 """The accuracy harness's two multi-step tasks (benchmarks/accuracy_runs.py): tokens fed through decode steps are the
 tokens the model sees, the long-generation prompt is the needle's prompt less its question, and each turn of a
-conversation re-sends the one before it with its answer."""
+conversation re-sends the one before it with its answer; a conversation on one engine (the cached methods) answers
+as re-prefilling each turn cold does, from its prefix cache, and the command line runs the cached methods on
+niah_multiturn alone."""
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 import benchmarks.accuracy_runs as runs
-from benchmarks.accuracy_runs import build, generate, longgen_parts
+from benchmarks.accuracy import score_rows
+from benchmarks.accuracy_runs import MAX_TOKENS, build, conversation_len, generate, longgen_parts
 from shadowkv_core.tiny_model import build_tiny_model
 from training.data import make_sample
-from training.templates import MULTITURN, VARIED
+from training.templates import MULTITURN, RULER, VARIED
+
+MODEL = str(Path(__file__).resolve().parents[1] / "models" / "shadowkv-small")
 
 
 @pytest.mark.parametrize("method", ["dense", "shadowkv"])
@@ -39,14 +48,16 @@ def test_each_turn_resends_the_conversation_with_the_methods_own_answers(monkeyp
     samples = [make_sample(MULTITURN, 2048, seed, turn=0, templates=VARIED) for seed in range(2)]
     seen = []
 
-    def answers(llm, prompts):  # the model: right on sample 0, wrong on sample 1
+    def answers(llm, prompts, tag, close):  # the model: right on sample 0, wrong on sample 1
         seen.append([list(p) for p in prompts])
         turn = len(seen) - 1
         right = samples[0].answer if turn == 0 else samples[0].turns[turn - 1].answer
         return [right, "0000000"], []
 
+    stats = dict.fromkeys(runs.PREFIX_STATS.values(), 0)
+    engine = SimpleNamespace(cache=SimpleNamespace(stats=lambda: stats), close=lambda: None)
     monkeypatch.setattr(runs, "generate", answers)
-    scores, _ = runs.conversation(lambda longest: None, samples)
+    scores, _, _ = runs.conversation(lambda longest: SimpleNamespace(engine=engine), samples)
     assert len(seen) == 5 and scores == [[100.0] * 5, [0.0] * 5]
     assert seen[0] == [s.prompt_ids for s in samples]
     for turn in range(1, 5):
@@ -54,3 +65,45 @@ def test_each_turn_resends_the_conversation_with_the_methods_own_answers(monkeyp
             said = (samples[0].answer if turn == 1 else samples[0].turns[turn - 2].answer) if i == 0 else "0000000"
             assert seen[turn][i] == seen[turn - 1][i] + list(said.encode()) + \
                 list(sample.turns[turn - 1].question.encode())
+
+
+@pytest.mark.parametrize("method", ["dense", "shadowkv"])
+def test_a_conversation_on_one_engine_answers_as_cold_turns_do_from_the_prefix_cache(monkeypatch, method):
+    """The shipped model, dense and ShadowKV at full rank and a budget of every chunk: each turn's answers on one
+    engine, from its prefix cache, equal those of a new engine per turn; a cold turn hits nothing, the cached
+    engine's first turn nothing and every later turn its cache (dense: every full block of the turn before, prompt
+    and answer)."""
+    samples = [make_sample(MULTITURN, 1024, seed, turn=0, templates=RULER) for seed in range(2)]
+    whole = conversation_len(samples) + MAX_TOKENS
+    calls = []
+
+    def recorded(llm, prompts, **kwargs):
+        calls.append(([list(p) for p in prompts], generate(llm, prompts, **kwargs)[0]))
+        return calls[-1][1], []
+
+    monkeypatch.setattr(runs, "generate", recorded)
+    done = {}
+    for cached in (False, True):
+        done[cached] = runs.conversation(
+            lambda longest: build(MODEL, method, whole, 1.0, "cpu", 1.0, longest + MAX_TOKENS,
+                                  conversations=len(samples) if cached else 0), samples, cached)
+    cold, warm = calls[:5], calls[5:]
+    assert [texts for _, texts in warm] == [texts for _, texts in cold] and done[True][0] == done[False][0]
+    assert all(text for _, texts in cold for text in texts) and sum(map(sum, done[True][0])) > 0
+    cold_prefix, warm_prefix = done[False][2], done[True][2]
+    assert cold_prefix["hit_tokens"] == [0] * 5 and warm_prefix["hit_tokens"][0] == 0
+    assert all(hits > 0 for hits in warm_prefix["hit_tokens"][1:])
+    assert warm_prefix["query_tokens"] == cold_prefix["query_tokens"] == [sum(map(len, p)) for p, _ in cold]
+    assert warm_prefix["evictions"] == [0] * 5
+    if method == "dense":  # blocks of 16 tokens: the turn before's prompt and answer, less a partial block
+        before = [sum((len(p) + len(t)) // 16 * 16 for p, t in zip(prompts, texts)) for prompts, texts in warm[:-1]]
+        assert warm_prefix["hit_tokens"][1:] == before
+
+
+def test_cached_methods_run_the_multiturn_task_alone(capsys):
+    args = Namespace(budgets=[0.0156], methods=["dense_prefix", "shadowkv_prefix"], max_minutes=1)
+    groups = {("niah_single", 1024): [make_sample("niah_single", 1024, 0, templates=RULER)]}
+    assert score_rows(args, groups, lambda rows: None, print) == []
+    assert capsys.readouterr().out.splitlines() == [
+        f"dense_prefix 1.0: runs {MULTITURN} only, skips 1 other cells",
+        f"shadowkv_prefix 0.0156: runs {MULTITURN} only, skips 1 other cells"]
