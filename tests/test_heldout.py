@@ -16,19 +16,35 @@ TRAINING = tuple(TRAINING_TEMPLATES.values())
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# what training's generator can put in a placeholder: values are numbers, keys and names one word (no spaces);
+# nouns and a question's keys (two joined) may be several words
+FILLS = {"value": r"\d+", "prev": r"\S+", "key": r"\S+", "name": r"\S+"}
+
+
 def pattern(form: str) -> re.Pattern:
-    """A template string as a regex: its literal text exact, each {placeholder} any text."""
-    parts = re.split(r"\{\w+\}", form.strip())
-    return re.compile("(.+?)".join(re.escape(p) for p in parts), re.S)
+    """A template string as a regex: its literal text exact, each {placeholder} what training can fill it with."""
+    pieces = re.split(r"\{(\w+)\}", form.strip())
+    return re.compile("".join(re.escape(p) if i % 2 == 0 else f"({FILLS.get(p, '.+?')})"
+                              for i, p in enumerate(pieces)), re.S)
 
 
-def training_forms() -> list[str]:
-    forms = []
+def training_forms(composed: int = 1500) -> list[str]:
+    """Every form of training's sets, and `composed` forms of each set that composes them per sample."""
+    needles, phrasings, chains = [], [], []
     for t in TRAINING:
-        forms += [f for n in t.needles for f in (n.needle, n.one, n.all)]
-        forms += [f for p in t.phrasings for f in (p.one, p.all, p.two)]
-        forms += [f for c in t.chains for f in (c.first, c.next, c.ask)]
-    return forms
+        needles += t.needles
+        phrasings += t.phrasings
+        chains += t.chains
+        if t.compose is not None:
+            rng = random.Random(f"forms:{t.name}")
+            for n, p, c in (t.compose(rng) for _ in range(composed)):
+                needles.append(n), phrasings.append(p), chains.append(c)
+    return list(dict.fromkeys([f for n in needles for f in (n.needle, n.one, n.all)]
+                              + [f for p in phrasings for f in (p.one, p.all, p.two)]
+                              + [f for c in chains for f in (c.first, c.next, c.ask)]))
+
+
+TRAINING_FORMS = training_forms()
 
 
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
@@ -45,7 +61,7 @@ def test_heldout_sample_is_seeded_exact_and_answerable(task):
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
 def test_training_generator_cannot_produce_heldout_questions_or_needles(task):
     """Each held-out prompt's question, and each of its needles, matches no training template string."""
-    forms = [pattern(f) for f in training_forms()]
+    forms = [pattern(f) for f in TRAINING_FORMS]
     for seed in range(20):
         sample = make_sample(task, 2048, seed, templates=HELDOUT)
         text = bytes(sample.prompt_ids[1:]).decode("ascii")

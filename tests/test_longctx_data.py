@@ -1,9 +1,11 @@
 """The synthetic long-context tasks: deterministic, exact lengths, the answer's needle where the sample says."""
+import random
 import re
 
 import pytest
 
 from training.data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
+from training.templates import COMPOSED, MULTITURN
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -66,3 +68,35 @@ def test_train_and_eval_draw_from_different_documents(tmp_path):
     train |= documents(stream)
     assert held_out and held_out <= {0, 10, 20, 30}
     assert train and not train & {0, 10, 20, 30}
+
+
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_composed_samples_are_answerable_and_their_forms_vary(task):
+    """COMPOSED makes new forms per sample: many distinct needle sentences and questions over 40 samples, each
+    sample's answer items in its context; a single needle's answer opening (the question's end) is, but for case, the
+    needle's own words before its value."""
+    needles, questions = set(), set()
+    for seed in range(40):
+        sample = make_sample(task, 2048, seed, split="train", templates=COMPOSED)
+        text = bytes(sample.prompt_ids[1:]).decode("ascii")
+        body = text[:len(text) - len(sample.question)]
+        assert all(item in body for item in sample.items)
+        form, phrasing, _ = COMPOSED.forms(random.Random(f"{task}:{seed}:composed"))  # as make_sample draws them
+        needles.add(form.needle)
+        questions.add(phrasing.one)
+        if task == "niah_single":
+            before, after = form.one.split("{key}")
+            key = sample.question[:len(sample.question) - len(after)].rsplit(before, 1)[1] if before else \
+                re.search(r"(\S+)" + re.escape(after) + "$", sample.question).group(1)
+            assert (form.one.format(key=key) + sample.answer).lower() in body.lower()
+    assert len(needles) >= 25 and len(questions) >= 25
+
+
+def test_task_rows_redraw_what_does_not_fit_a_short_row():
+    """A composed many-needle form may not fit a 512-token row: the row is drawn again, never cut or overlong."""
+    from training.objectives import ANSWER_SLOT
+    from training.train import task_row
+    for i in range(300):
+        ids, lm_mask, answer_mask = task_row(random.Random(i), 512, TRAIN_SEED_BASE + i, None, COMPOSED)
+        assert len(ids) == len(lm_mask) == len(answer_mask) == 512
+        assert 0 < sum(answer_mask) <= ANSWER_SLOT

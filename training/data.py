@@ -135,8 +135,11 @@ class _Words:
 
     @classmethod
     def draw(cls, templates: Templates, rng: random.Random) -> _Words:
-        return cls(rng.choice(templates.needles), rng.choice(templates.phrasings), rng.choice(templates.keys),
-                   rng.choice(templates.chains), rng.choice(templates.names))
+        if templates.compose is None:  # RULER's and VARIED's draws stay as they were
+            return cls(rng.choice(templates.needles), rng.choice(templates.phrasings), rng.choice(templates.keys),
+                       rng.choice(templates.chains), rng.choice(templates.names))
+        form, phrasing, chain = templates.forms(rng)
+        return cls(form, phrasing, rng.choice(templates.keys), chain, rng.choice(templates.names))
 
     def needle(self, key: str, value: str) -> str:
         return self.form.needle.format(key=key, value=value)
@@ -216,7 +219,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None, 
         depths = [depths[0]] + sorted(depths[0] + (1 - depths[0]) * d for d in depths[1:])
     budget = context - 1 - len(question) - sum(len(n) for n in needles)
     if budget < 16:
-        raise ValueError(f"context {context} too short for task {task!r}")
+        raise ContextTooShort(f"context {context} too short for task {task!r}")
     text = templates.haystack(split, corpus_file)
     start = rng.randrange(len(text) - budget)
     haystack = text[start:start + budget]
@@ -231,6 +234,10 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None, 
     ids = [BOS] + list(body.encode("ascii"))
     assert len(ids) == context, (len(ids), context)
     return Sample(task, context, round(first_depth, 4), ids, answer, items, seed, turns, question)
+
+
+class ContextTooShort(ValueError):
+    """A sample's needles and question leave its context no room for haystack."""
 
 
 def _snap(haystack: str, at: int) -> int:

@@ -1,15 +1,18 @@
 """The words of the synthetic tasks: needle sentence forms, question phrasings, key vocabularies, variable-chain forms
 and where the haystack text comes from. training/data.py assembles a sample from one `Templates`.
 
-Two sets live here, both training's: RULER, the one form the tasks began with (the shipped model was trained on it
-alone, and evaluation seeds of it reproduce the earlier samples exactly), and VARIED, several of each kind, what the
-model is trained on so that it can answer a form it has not seen. The evaluation's held-out set is not here: it is
-benchmarks/heldout.py's, which nothing under training/ imports.
+Three sets live here, all training's: RULER, the one form the tasks began with (the shipped model was trained on it
+alone, and evaluation seeds of it reproduce the earlier samples exactly); VARIED, a few hand-written forms of each
+kind; and COMPOSED, VARIED's forms and hundreds more put together from parts (openings, relations, nouns, question
+leads, askings, answer leads, key and name shapes), so that what the model learns is to find the fact a question
+names and copy it, not one form's words: a model trained on VARIED alone answers none of the held-out forms. The
+evaluation's held-out set is not here: it is benchmarks/heldout.py's, which nothing under training/ imports.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
@@ -61,7 +64,8 @@ class ChainForm:
 
 @dataclass(frozen=True)
 class Templates:
-    """Everything a sample's words are drawn from. `haystack(split, source_file)` is the text needles go into."""
+    """Everything a sample's words are drawn from. `haystack(split, source_file)` is the text needles go into;
+    `compose`, where a set has it, makes new forms for a share of the samples."""
     name: str
     needles: tuple[NeedleForm, ...]
     phrasings: tuple[Phrasing, ...]
@@ -70,6 +74,14 @@ class Templates:
     names: tuple[Callable[[random.Random], str], ...]
     haystack: Callable[[str, str | None], str]
     tasks: tuple[str, ...] = TASKS
+    compose: Callable[[random.Random], tuple[NeedleForm, Phrasing, ChainForm]] | None = None
+    composed_share: float = 0.0  # of samples whose forms `compose` makes; the others draw from the tuples
+
+    def forms(self, rng: random.Random) -> tuple[NeedleForm, Phrasing, ChainForm]:
+        """One sample's needle form, phrasing and chain form."""
+        if self.compose is not None and rng.random() < self.composed_share:
+            return self.compose(rng)
+        return rng.choice(self.needles), rng.choice(self.phrasings), rng.choice(self.chains)
 
 
 def number(rng: random.Random) -> str:
@@ -136,4 +148,110 @@ VARIED = Templates(
     haystack=_corpus,
     tasks=(*TASKS, MULTITURN))
 
-TRAINING_TEMPLATES = {t.name: t for t in (RULER, VARIED)}
+
+# ---------------------------------------------------------------- COMPOSED: forms put together per sample
+
+# Word pools the composed forms draw from; none of them is a held-out form's distinctive word.
+VALUE_NOUNS = ("pin", "serial", "locker", "badge", "vault", "order", "room", "token", "postal", "account", "batch",
+               "lot", "key", "check", "permit", "voucher", "coupon", "receipt", "invoice", "parcel", "seat", "gate",
+               "berth", "slot", "lane", "case", "file", "form", "claim", "policy", "route", "track", "channel",
+               "frequency", "station", "platform", "cabin", "bunk", "shelf", "bin", "crate", "pallet", "dock",
+               "tag", "label", "stamp", "seal", "code", "number", "id", "index", "count", "tally", "score", "quota")
+_VERBS = (("is", "are"), ("was", "were"), ("equals", "equal"), ("reads", "read"), ("stays", "stay"),
+          ("becomes", "become"), ("remains", "remain"), ("shows", "show"), ("=", "="), (":", ":"), ("->", "->"),
+          ("is set to", "are set to"), ("comes to", "come to"), ("is listed as", "are listed as"))
+_LINKS = ("of", "for", "belonging to", "tied to", "attached to", "kept by", "owned by", "under", "at", "from",
+          "that goes with", "issued to", "used by", "held by", "known for", "stored under", "filed as")
+_WORDS = ("note", "memo", "fact", "remember", "today", "officially", "meanwhile", "also", "again", "please",
+          "update", "hint", "aside", "yesterday", "recently", "internally", "quietly", "finally", "so", "now",
+          "okay", "well", "listen", "attention", "important", "trivia", "record", "reminder", "psst", "tip",
+          "hello", "update", "fyi", "notice", "bulletin", "warning", "status", "draft", "journal", "diary")
+_MARKERS = ("Q", "A", "Question", "Answer", "User", "Assistant", "Human", "Bot", "Input", "Output", "Prompt",
+            "Result", "Ask", "Say", "Agent", "Model", "System", "Client", "Clerk", "Desk", "Support", "Student",
+            "Teacher", "Caller", "Operator", "Guest", "Host", "Me", "You", "Info", "Out", "In", "Query", "Solution")
+_SYMBOLS = ("", "", ">> ", "-- ", "* ", "=> ", "## ", "> ", "~ ", "| ", ":: ", "[ ] ")
+_ASKS = (("What is", "What are"), ("Which", "Which"), ("Tell me", "Tell me"), ("Give", "Give"), ("State", "State"),
+         ("Look up", "Look up"), ("Show", "Show"), ("Provide", "Provide"), ("Retrieve", "Retrieve"),
+         ("Do you know", "Do you know"), ("Quick: what is", "Quick: what are"), ("Fetch", "Fetch"), ("", ""))
+_THINGS = ("variables", "names", "symbols", "slots", "cells", "labels", "fields", "handles", "boxes", "vars",
+           "identifiers", "aliases", "bindings", "entries", "items")
+_OPS = ("=", ":=", "<-", "gets", "becomes", "equals", "->", "takes", "==", "<=", "is now")
+_OP_PREFIXES = ("", "", "let ", "var ", "val ", "const ", "make ", "put ", "now ", "and ", "def ", "so ")
+_ENDS = (". ", ". ", "; ", "! ", " . ", ".\n", ", ", " ")
+_JOINS = (" and ", ", then ", " plus ", " and also ", " with ", " & ", " + ")
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _marker(rng: random.Random) -> str:
+    """A turn's opening line break and speaker mark: a word and a colon, a symbol, or nothing."""
+    mark = rng.choice((f"{rng.choice(_MARKERS)}: ", f"{_capital(rng.choice(_WORDS))}: ", rng.choice(_SYMBOLS),
+                       f"[{rng.choice(_MARKERS).lower()}] "))
+    return rng.choice(("\n", "\n", "\n\n")) + mark
+
+
+def _noun(rng: random.Random) -> tuple[str, str]:
+    words = rng.sample(VALUE_NOUNS, rng.choice((1, 1, 2)))
+    return " ".join(words), " ".join(words) + "s"
+
+
+def compose_forms(rng: random.Random) -> tuple[NeedleForm, Phrasing, ChainForm]:
+    """A needle form, a phrasing and a chain form made for one sample: openings, relations, nouns, markers and
+    askings drawn from the pools above, so no one form's words mark a fact or a question."""
+    noun, nouns = _noun(rng)
+    (verb, verbs), link = rng.choice(_VERBS), rng.choice(_LINKS)
+    the = rng.choice(("the ", "the ", "", "a ", "its "))
+    one, every = rng.choice(((f"{the}{noun} {link} {{key}} {verb} ", f"{the}{nouns} {link} {{key}} {verbs} "),
+                             (f"{{key}} {link} {noun} {verb} ", f"{{key}} {link} {nouns} {verbs} "),
+                             (f"{{key}} has {the}{noun} ", f"{{key}} has {the}{nouns} "),
+                             (f"{{key}}'s {noun} {verb} ", f"{{key}}'s {nouns} {verbs} "),
+                             (f"<{{key}}> {noun} {verb} ", f"<{{key}}> {nouns} {verbs} "),
+                             (f"{{key}} | {noun} | ", f"{{key}} | {nouns} | ")))
+    opening = " ".join(rng.sample(_WORDS, rng.choice((0, 0, 1, 2, 3))))
+    opening = _capital(opening) + rng.choice((": ", ", ", " - ", ". ")) if opening else ""
+    said = opening + (one if opening else _capital(one))
+    whole = rng.random() < 0.3  # the answer opens with the whole sentence, its opening words included
+    needle = NeedleForm(f" {said}{{value}}{rng.choice(_ENDS)}", noun, nouns, said if whole else _capital(one),
+                        (opening + every if opening else _capital(every)) if whole else _capital(every))
+    ask, asks = rng.choice(_ASKS)
+    link, end = rng.choice(_LINKS), rng.choice(("?", ".", "", "?", " ?"))
+    answer = _marker(rng)
+    lead = _marker(rng)
+    phrasing = Phrasing(*(lead + " ".join(w for w in (a, n, link, "{keys}") if w) + end + answer
+                          for a, n in ((ask, "the {noun}"), (asks, "all the {nouns}"), (asks, "the {nouns}"))),
+                        rng.choice(_JOINS))
+    op, prefix, things = rng.choice(_OPS), rng.choice(_OP_PREFIXES), rng.choice(_THINGS)
+    chain = ChainForm(f" {prefix}{{name}} {op} {{value}}{rng.choice(_ENDS)}",
+                      f" {prefix}{{name}} {op} {{prev}}{rng.choice(_ENDS)}",
+                      _marker(rng) + " ".join(w for w in (rng.choice(_ASKS)[1], things, rng.choice(_LINKS)) if w)
+                      + f" {{value}}{end}"
+                      f"{_marker(rng)}{_capital(things)} with {{value}}: ")
+    return needle, phrasing, chain
+
+
+def joined_key(rng: random.Random, first: tuple[str, ...], second: tuple[str, ...], sep: str, digits: int,
+               upper: bool) -> str:
+    key = f"{rng.choice(first)}{sep}{rng.choice(second)}{sep}{rng.randrange(10 ** (digits - 1), 10 ** digits)}"
+    return key.upper() if upper else key
+
+
+def coded_name(rng: random.Random, letters: int, sep: str) -> str:
+    return "".join(rng.choice(_CAPITALS.lower()) for _ in range(letters)) + sep + str(rng.randrange(1, 10))
+
+
+COMPOSED = Templates(
+    "composed", VARIED.needles, VARIED.phrasings,
+    keys=VARIED.keys + tuple(partial(joined_key, first=a, second=b, sep=sep, digits=d, upper=u)
+                             for a, b, sep, d, u in ((FRUITS, NOUNS, ".", 2, False), (TOOLS, ADJECTIVES, ":", 3, True),
+                                                     (NOUNS, TOOLS, "+", 4, False), (ADJECTIVES, FRUITS, "~", 2, True),
+                                                     (TOOLS, FRUITS, "#", 3, False))),
+    chains=VARIED.chains,
+    names=VARIED.names + (partial(coded_name, letters=2, sep="_"), partial(coded_name, letters=2, sep=".")),
+    haystack=_corpus,
+    tasks=(*TASKS, MULTITURN),
+    compose=compose_forms,
+    composed_share=0.8)
+
+TRAINING_TEMPLATES = {t.name: t for t in (RULER, VARIED, COMPOSED)}

@@ -4,7 +4,8 @@ A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RM
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of training/data.py
 (language-model loss on the haystack, weighted down, plus the loss on the answer tokens), in the words of
---templates (training/templates.py: varied by default; ruler, the one form the shipped model saw). Optionally, the
+--templates (training/templates.py: composed by default, hundreds of forms put together from parts; varied, a few
+hand-written ones; ruler, the one form the first shipped model saw). Optionally, the
 terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
 (--key-rank-weight), a landmark divergence (--landmark-weight), a rank attention divergence
 (--rank-attention-weight) and a rank logit error (--rank-logit-weight); --key-proj-rank trains each k_proj as a
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from shadowkv_core.tiny_model import save_byte_tokenizer
-from training.data import EOS, TASKS, TRAIN_SEED_BASE, answer_ids, make_sample, text_stream
+from training.data import EOS, TASKS, ContextTooShort, TRAIN_SEED_BASE, answer_ids, make_sample, text_stream
 from training.templates import MULTITURN, TRAINING_TEMPLATES, Templates
 from training.evaluate import dense_eval, model_card
 from training.objectives import (ANSWER_SLOT, KEY_SUBSPACE_ITERS, KeyCapture, factorise_key_projections, key_rank,
@@ -45,6 +46,8 @@ TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 MULTITURN_MIN_LENGTH = 2048
+TASK_DRAWS = 8
+TASK_DRAW_STRIDE = 1_000_003  # another draw's seed, far from every row's own
 
 
 def model_config() -> dict:
@@ -71,8 +74,16 @@ def task_row(rng: random.Random, length: int, seed: int, corpus_file: str | None
     """(ids, lm_mask, answer_mask) of one task row; the masks mark the tokens whose prediction is scored."""
     # a five-turn conversation's questions, answers and needles do not fit the curriculum's shortest rows
     tasks = [t for t in templates.tasks if t != MULTITURN or length >= MULTITURN_MIN_LENGTH]
-    sample = make_sample(rng.choice(tasks), length - ANSWER_SLOT, seed, split="train", corpus_file=corpus_file,
-                         templates=templates)
+    for draw in range(TASK_DRAWS):  # a long composed form may leave a short row no room, or outgrow the answer slot
+        try:
+            sample = make_sample(rng.choice(tasks), length - ANSWER_SLOT, seed + draw * TASK_DRAW_STRIDE,
+                                 split="train", corpus_file=corpus_file, templates=templates)
+        except ContextTooShort:
+            continue
+        if len(answer_ids(sample)) <= ANSWER_SLOT:
+            break
+    else:
+        raise ContextTooShort(f"no {templates.name} task fits a row of {length} tokens in {TASK_DRAWS} draws")
     answer = answer_ids(sample)
     prompt, pad = len(sample.prompt_ids), length - len(sample.prompt_ids) - len(answer)
     ids = sample.prompt_ids + answer + [EOS] * pad
@@ -210,10 +221,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", default="benchmarks/results/train_small_model.json", help="dense scores (JSON)")
     parser.add_argument("--corpus-file", default=None, help="frozen haystack text (training.data --write-corpus)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--templates", default="varied", choices=sorted(TRAINING_TEMPLATES),
-                        help="the task rows' words (training/templates.py): varied, several needle forms, key "
-                             "vocabularies, phrasings and a multi-turn task; ruler, the one form the shipped model "
-                             "was trained on")
+    parser.add_argument("--templates", default="composed", choices=sorted(TRAINING_TEMPLATES),
+                        help="the task rows' words (training/templates.py): composed, hundreds of needle forms, "
+                             "phrasings and key shapes put together from parts, and a multi-turn task; varied, a few "
+                             "hand-written ones; ruler, the one form the first shipped model was trained on")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
