@@ -235,6 +235,23 @@ def test_readers_of_a_cached_document_are_admitted_together_by_the_tokens_they_p
     assert settled(engine)
 
 
+def test_readers_with_questions_of_any_short_length_share_one_prefill_and_a_long_prompt_waits(tiny_path, cold,
+                                                                                               monkeypatch):
+    """Suffixes of 5, 40 and 300 tokens after a cached document (three power-of-two buckets apart) prefill in one
+    batch, in arrival order; a cold prompt of 1,100 tokens, past SHORT_PREFILL_TOKENS, does not ride with them."""
+    llm = LLM(model=tiny_path, max_num_seqs=8, max_model_len=2048, gpu_cache_gib=0.05)
+    engine = llm.engine
+    seen = record_prefills(engine, monkeypatch)
+    doc = tokens(64, 30)
+    prompts = [doc + tokens(5, 31), doc + tokens(40, 32), tokens(1100, 33), doc + tokens(300, 34)]
+    llm.generate([doc + tokens(3, 35)], GREEDY)  # the document is cached from here on
+    outs = llm.generate(prompts, GREEDY)
+    assert seen[1:] == [([64, 64, 64], [5, 40, 300]), ([0], [1100])]
+    wide = LLM(model=tiny_path, max_num_seqs=4, max_model_len=2048, gpu_cache_gib=0.05, enable_prefix_caching=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in wide.generate(prompts, GREEDY)]
+    assert settled(engine)
+
+
 def test_the_prefill_budget_still_counts_whole_prompts_without_a_cached_prefix(tiny_path, monkeypatch):
     llm = LLM(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.01, max_prefill_tokens=100)
     seen = record_prefills(llm.engine, monkeypatch)

@@ -19,9 +19,13 @@ from ..cache.base import CacheManager
 from .sequence import Sequence, SequenceStatus
 
 
+SHORT_PREFILL_TOKENS = 1024  # prefills shorter than this share one bucket: a batch of any mix of them stays short
+
+
 def length_bucket(num_tokens: int) -> int:
-    """Power-of-two bucket of a prompt length: 1-1, 2-3, 4-7, ..."""
-    return max(num_tokens, 1).bit_length()
+    """Power-of-two bucket of the tokens a prompt prefills (..., 1024-2047, 2048-4095, ...), every prefill shorter
+    than SHORT_PREFILL_TOKENS in one: the readers of a cached document, whose questions differ in length, go together."""
+    return max(num_tokens, SHORT_PREFILL_TOKENS - 1).bit_length()
 
 
 @dataclass
