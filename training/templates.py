@@ -170,13 +170,17 @@ _MARKERS = ("Q", "A", "Question", "Answer", "User", "Assistant", "Human", "Bot",
             "Result", "Ask", "Say", "Agent", "Model", "System", "Client", "Clerk", "Desk", "Support", "Student",
             "Teacher", "Caller", "Operator", "Guest", "Host", "Me", "You", "Info", "Out", "In", "Query", "Solution")
 _SYMBOLS = ("", "", ">> ", "-- ", "* ", "=> ", "## ", "> ", "~ ", "| ", ":: ", "[ ] ")
+_HEADER_SYMBOLS = ("", "## ", "** ", "== ", "-- ", ">> ", "# ")
 _ASKS = (("What is", "What are"), ("Which", "Which"), ("Tell me", "Tell me"), ("Give", "Give"), ("State", "State"),
          ("Look up", "Look up"), ("Show", "Show"), ("Provide", "Provide"), ("Retrieve", "Retrieve"),
-         ("Do you know", "Do you know"), ("Quick: what is", "Quick: what are"), ("Fetch", "Fetch"), ("", ""))
+         ("Do you know", "Do you know"), ("Quick: what is", "Quick: what are"), ("Fetch", "Fetch"), ("", ""),
+         ("List", "List every one of"), ("Report", "Report"), ("Locate", "Locate"))
 _THINGS = ("variables", "names", "symbols", "slots", "cells", "labels", "fields", "handles", "boxes", "vars",
            "identifiers", "aliases", "bindings", "entries", "items")
-_OPS = ("=", ":=", "<-", "gets", "becomes", "equals", "->", "takes", "==", "<=", "is now")
-_OP_PREFIXES = ("", "", "let ", "var ", "val ", "const ", "make ", "put ", "now ", "and ", "def ", "so ")
+_OPS = ("=", ":=", "<-", "gets", "becomes", "equals", "->", "takes", "==", "<=", "is now", "BE", "EQUALS", "GETS",
+        "BECOMES", "FROM")
+_OP_PREFIXES = ("", "", "let ", "var ", "val ", "const ", "make ", "put ", "now ", "and ", "def ", "so ", "LET ",
+                "MAKE ", "PUT ", "VAR ", "DEFINE ", "STORE ")
 _ENDS = (". ", ". ", "; ", "! ", " . ", ".\n", ", ", " ")
 _JOINS = (" and ", ", then ", " plus ", " and also ", " with ", " & ", " + ")
 
@@ -186,9 +190,11 @@ def _capital(text: str) -> str:
 
 
 def _marker(rng: random.Random) -> str:
-    """A turn's opening line break and speaker mark: a word and a colon, a symbol, or nothing."""
-    mark = rng.choice((f"{rng.choice(_MARKERS)}: ", f"{_capital(rng.choice(_WORDS))}: ", rng.choice(_SYMBOLS),
-                       f"[{rng.choice(_MARKERS).lower()}] "))
+    """A turn's opening line break and speaker mark: a word and a colon, a symbol, a header line of its own (a word,
+    after a symbol or not), or nothing."""
+    word = rng.choice((rng.choice(_MARKERS), _capital(rng.choice(_WORDS))))
+    mark = rng.choice((f"{word}: ", rng.choice(_SYMBOLS), f"[{word.lower()}] ",
+                       f"{rng.choice(_HEADER_SYMBOLS)}{word}\n", f"{word.upper()}\n"))
     return rng.choice(("\n", "\n", "\n\n")) + mark
 
 
