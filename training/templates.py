@@ -3,9 +3,9 @@ and where the haystack text comes from. training/data.py assembles a sample from
 
 Three sets live here, all training's: RULER, the one form the tasks began with (the shipped model was trained on it
 alone, and evaluation seeds of it reproduce the earlier samples exactly); VARIED, a few hand-written forms of each
-kind; and COMPOSED, VARIED's forms and hundreds more put together from parts (openings, relations, nouns, question
-leads, askings, answer leads, key and name shapes), so that what the model learns is to find the fact a question
-names and copy it, not one form's words: a model trained on VARIED alone answers none of the held-out forms. The
+kind; and COMPOSED, which makes most samples' forms anew from word pools (openings, relations, nouns, question
+leads, askings, answer leads; more key and name shapes too), so that what the model learns is to find the fact a
+question names and copy it, not one form's words (docs/accuracy.md says how far that has got). The
 evaluation's held-out set is not here: it is benchmarks/heldout.py's, which nothing under training/ imports.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ _LINKS = ("of", "for", "belonging to", "tied to", "attached to", "kept by", "own
 _WORDS = ("note", "memo", "fact", "remember", "today", "officially", "meanwhile", "also", "again", "please",
           "update", "hint", "aside", "yesterday", "recently", "internally", "quietly", "finally", "so", "now",
           "okay", "well", "listen", "attention", "important", "trivia", "record", "reminder", "psst", "tip",
-          "hello", "update", "fyi", "notice", "bulletin", "warning", "status", "draft", "journal", "diary")
+          "hello", "fyi", "notice", "bulletin", "warning", "status", "draft", "journal", "diary")
 _MARKERS = ("Q", "A", "Question", "Answer", "User", "Assistant", "Human", "Bot", "Input", "Output", "Prompt",
             "Result", "Ask", "Say", "Agent", "Model", "System", "Client", "Clerk", "Desk", "Support", "Student",
             "Teacher", "Caller", "Operator", "Guest", "Host", "Me", "You", "Info", "Out", "In", "Query", "Solution")

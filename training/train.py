@@ -4,8 +4,8 @@ A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RM
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of training/data.py
 (language-model loss on the haystack, weighted down, plus the loss on the answer tokens), in the words of
---templates (training/templates.py: composed by default, hundreds of forms put together from parts; varied, a few
-hand-written ones; ruler, the one form the first shipped model saw). Optionally, the
+--templates (training/templates.py: composed by default, most samples' forms made anew from word pools; varied, a
+few hand-written ones; ruler, the one form the first shipped model saw). Optionally, the
 terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
 (--key-rank-weight), a landmark divergence (--landmark-weight), a rank attention divergence
 (--rank-attention-weight) and a rank logit error (--rank-logit-weight); --key-proj-rank trains each k_proj as a
@@ -222,8 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--corpus-file", default=None, help="frozen haystack text (training.data --write-corpus)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--templates", default="composed", choices=sorted(TRAINING_TEMPLATES),
-                        help="the task rows' words (training/templates.py): composed, hundreds of needle forms, "
-                             "phrasings and key shapes put together from parts, and a multi-turn task; varied, a few "
+                        help="the task rows' words (training/templates.py): composed, most samples' needle forms, "
+                             "phrasings and chain forms made anew from word pools, and a multi-turn task; varied, a few "
                              "hand-written ones; ruler, the one form the first shipped model was trained on")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
