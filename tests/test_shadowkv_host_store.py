@@ -124,6 +124,28 @@ def test_device_region_pages_write_and_gather_as_the_host(fp8):
                                    tiered.gather(layer, table, chunks[:3], heads[:3], 4), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moved_pages_gather_from_the_device_region_as_from_the_host(fp8, device):
+    """move_pages copies host pages (values and fp8 scales, runs and single pages) into device pages (on CUDA from
+    the pinned region, asynchronously): a table naming the device pages gathers what the host table did; anything but
+    host into device is refused."""
+    torch.manual_seed(9)
+    kw = dict(value_format="fp8", chunk_size=4) if fp8 else {}
+    store = make_store(num_pages=6, num_device_pages=4, pin=device == "cuda", device=device, **kw)
+    table = torch.tensor([2, 3, 5, 0])
+    store.write(slice(None), table, 0, torch.randn(2, 32, 2, 4, device=device))
+    store.move_pages([3, 2, 5], [7, 6, 9])  # 2, 3 -> device 0, 1 (one run); 5 -> device 3
+    chunks, heads = torch.tensor([0, 3, 4, 6, 7]), torch.tensor([1, 0, 1, 0, 1])
+    for layer in range(2):
+        torch.testing.assert_close(store.gather(layer, torch.tensor([6, 7, 9, 0]), chunks, heads, 4),
+                                   store.gather(layer, table, chunks, heads, 4), rtol=0, atol=0)
+    for src, dst in (([6], [8]), ([1], [4])):
+        with pytest.raises(ValueError, match="only host pages move"):
+            store.move_pages(src, dst)
+    store.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gather_to_the_gpu_reads_each_region_where_it_lives(fp8):

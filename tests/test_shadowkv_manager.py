@@ -1,6 +1,6 @@
 """ShadowKVManager: the shadow's bookkeeping. A sequence holds one slot and as many GPU pages as value pages, its first
-`device_value_share` of value pages in the device region (ids after the host's); a refusal takes nothing, names what
-ran out, and free returns everything."""
+`device_value_share` of value pages in the device region (ids after the host's) as far as it has room; a refusal
+takes nothing, names what ran out, and free returns everything."""
 import re
 
 import pytest
@@ -45,7 +45,17 @@ def test_device_value_share_puts_a_sequences_first_pages_in_the_device_region():
     assert manager.device_value_pages.num_free == 3 and manager.host_pages.num_free == 6
 
 
-@pytest.mark.parametrize("pools,missing", [((1, 6), "short of device value pages (2 needed, 1 free)"),
+def test_a_sequence_the_device_region_is_short_for_takes_host_value_pages_instead():
+    manager = make_manager(share=0.5, device_pages=1)
+    manager.allocate(0, 30, 10)  # 5 pages: 2 wanted on the device, where one is free
+    pages = manager.seqs[0].value_pages
+    assert pages[0] >= 6 and all(p < 6 for p in pages[1:])
+    assert manager.device_value_pages.num_free == 0 and manager.host_pages.num_free == 2
+    manager.free(0)
+    assert manager.device_value_pages.num_free == 1 and manager.host_pages.num_free == 6
+
+
+@pytest.mark.parametrize("pools,missing", [((1, 3), "short of host value pages (4 needed, 3 free)"),
                                            ((3, 2), "short of host value pages (3 needed, 2 free)")])
 def test_a_refusal_names_what_ran_out_and_takes_nothing(pools, missing):
     device_pages, host_pages = pools

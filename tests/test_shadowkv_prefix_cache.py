@@ -242,6 +242,34 @@ def test_value_pages_in_the_device_region_are_shared_and_returned_too(tiny_path,
     assert settled(llm.engine)
 
 
+def test_a_document_read_by_running_sequences_moves_to_the_device_region_as_one_copy(tiny_path):
+    """b adopts a's document pages while a runs: the three of them on the host move to free device value pages, a's
+    page table and b's name the same device pages, and both give the cold tokens."""
+    shadow = dataclasses.replace(EXACT, device_value_share=0.25)  # of 5 pages, the first one on the device
+    llm, cold_llm = engine_llm(tiny_path, shadow), engine_llm(tiny_path, shadow, enable_prefix_caching=False)
+    engine, manager = llm.engine, shadow_of(llm.engine)
+    host = manager.host_pages.num_blocks
+    doc = tokens(300, 40)
+    prompts = {"a": doc + tokens(7, 41), "b": doc + tokens(12, 42)}
+    outs = {}
+    engine.add_request("a", prompts["a"], GREEDY)
+    engine.step()  # a prefilled: its document's four whole pages indexed, the first on the device
+    a = manager.seqs[engine.scheduler.running[0].seq_id]
+    assert [p >= host for p in a.value_pages[:4]] == [True, False, False, False]
+    host_free = manager.host_pages.num_free
+    engine.add_request("b", prompts["b"], GREEDY)
+    outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    b = next(st for st in manager.seqs.values() if st is not a)
+    assert b.value_pages[:4] == a.value_pages[:4] and all(p >= host for p in a.value_pages[:4])
+    assert a.value_table.tolist() == a.value_pages and b.value_table.tolist() == b.value_pages
+    assert (manager.device_index.num_cached, manager.host_index.num_cached) == (4, 0) and consistent(manager)
+    assert all(manager.device_index.refs(p - host) == 2 for p in a.value_pages[:4])
+    assert manager.host_pages.num_free == host_free + 3 - (len(b.value_pages) - 4)  # b's own pages on the host
+    outs.update(run_all(engine))
+    assert outs == {rid: cold_llm.generate([p], GREEDY)[0].token_ids for rid, p in prompts.items()}
+    assert settled(engine)
+
+
 def host_gib(pages, manager):
     return pages * manager.host_pages.unit_bytes / 2**30
 

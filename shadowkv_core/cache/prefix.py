@@ -154,6 +154,10 @@ class PrefixIndex:
     def is_indexed(self, unit: int) -> bool:
         return unit in self._hash_of
 
+    def hash_of(self, unit: int) -> bytes:
+        """The block hash an indexed unit is indexed under."""
+        return self._hash_of[unit]
+
     def release(self, units: list[int]) -> None:
         """One holder fewer of each unit. A unit no one holds goes back to the allocator, or, if indexed, becomes
         evictable; released last to first, so that a prefix's tail is evicted before its head."""

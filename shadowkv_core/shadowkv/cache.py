@@ -52,10 +52,16 @@ class ShadowKVCache(KVCache):
             if self.device.type == "cuda" else None
         self.fetch_shape = fetch_shape(config, self.device)
         self.page_tables = PageTables(self.device)
+        self.manager.on_move = self._move_values
         # selection-policy hook (quest.QuestScorer, baselines.StreamingScorer, baselines.SnapKVScorer): prefill(),
         # fold() and scores(); None: ShadowKV's landmarks
         self._chunk_scorer = None
         self._plans: dict[int, tuple[AttentionMetadata, DecodePlan]] = {}  # this forward's, by metadata object
+
+    def _move_values(self, src: list[int], dst: list[int]) -> None:
+        """Shared value pages the manager moved to the device region: copy them; the held page tables are stale."""
+        self.host.move_pages(src, dst)
+        self.page_tables.clear()
 
     @property
     def chunk_scorer(self):

@@ -63,6 +63,26 @@ class HostValueStore:
         if self.fp8:
             dst_scales[:, d] = src_scales[:, s].to(dst_scales.device)
 
+    def move_pages(self, src: list[int], dst: list[int]) -> None:
+        """Host pages src into device pages dst (ids as the tables hold them), every layer: one asynchronous copy per
+        layer and run of pages consecutive on both sides, queued on the current stream (before the steps that read
+        dst)."""
+        pairs = sorted(zip(src, dst))
+        for s, d in pairs:
+            if s >= self.num_pages or d < self.num_pages:
+                raise ValueError(f"page {s} -> {d}: only host pages move, and only into the device region")
+        runs: list[list[int]] = []
+        for s, d in pairs:
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d - self.num_pages:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d - self.num_pages, 1])
+        regions = [(self.values, self.device_values)] + ([(self.scales, self.device_scales)] if self.fp8 else [])
+        for s, d, n in runs:
+            for host, device in regions:
+                for layer in range(host.shape[0]):
+                    device[layer, d:d + n].copy_(host[layer, s:s + n], non_blocking=self.pinned)
+
     def _page(self, page: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """(values, scales, index there) of a page id."""
         if page >= self.num_pages:

@@ -1,6 +1,7 @@
 """ShadowKVManager: the shadow's CPU bookkeeping. Each sequence kept in shadows holds one slot, and as many GPU pages
 (U rows, landmarks) as value pages, reserved at admission for its whole length (prompt + generation); value pages are
-split between the host store and, for ShadowKVConfig.device_value_share, the device region (its first pages there).
+split between the host store and, for ShadowKVConfig.device_value_share, the device region (its first pages there,
+as many as the region has free; the host store takes the rest).
 
 Value page ids: host pages are 0 .. H - 1, device pages follow, H .. H + D - 1 (what host_store.HostValueStore and the
 fetch kernel read them by).
@@ -9,11 +10,16 @@ Prefix caching: a page (page_chunks * chunk_size tokens) whose chunks are all in
 cache/prefix.py. Its GPU page and its value page are indexed under the same chained hash, in one PrefixIndex per pool
 (GPU pages, host value pages, device value pages), held and released together; evicting either drops the other. Each
 indexed page names the ShadowRecord of the sequence that indexed it: the basis and outlier chunks that its U rows and
-outlier flags belong to, copied to the host once that sequence's prefill has run."""
+outlier flags belong to, copied to the host once that sequence's prefill has run.
+
+Shared values move to the device: a host value page that an admission makes shared (held by two or more sequences,
+a document its readers decode over together) moves to a free page of the device region, where every holder's decode
+reads it from device memory instead of over PCIe; one copy still, and its host page goes back to the pool."""
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +108,8 @@ class ShadowKVManager(CacheManager):
         self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full pages, indexed once it is prefilled
         self._chain: dict[int, tuple[int, bytes]] = {}  # pages indexed after the prefill, and the last one's hash
         self._serials = itertools.count()
+        # told (host pages, device page ids) of each move of shared values, to copy them before a step reads the ids
+        self.on_move: Callable[[list[int], list[int]], None] | None = None
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
         self.query_tokens = 0  # prompt tokens looked up
 
@@ -169,20 +177,17 @@ class ShadowKVManager(CacheManager):
         d = device_value_pages(self.config, n)
         if not free:
             room = [(self.slots.num_blocks, 1, "slots"), (self.gpu_pages.num_blocks, n, "GPU pages"),
-                    (self.host_pages.num_blocks, n - d, "host value pages"),
-                    (self.device_value_pages.num_blocks, d, "device value pages")]
+                    (self.host_pages.num_blocks, n - min(d, self.device_value_pages.num_blocks), "host value pages")]
         else:
             h, values = len(hit), [self._value_index(v) for v in self._value_hits(hit)]
-            fresh_device = max(d - h, 0)
 
             def available(index: PrefixIndex, units: list[int]) -> int:
                 return index.num_available - index.num_evictable_among(units)
 
+            device = available(self.device_index, [u for i, u in values if i is self.device_index])
             room = [(self.slots.num_free, 1, "slots"), (available(self.gpu_index, hit), n - h, "GPU pages"),
                     (available(self.host_index, [u for i, u in values if i is self.host_index]),
-                     n - h - fresh_device, "host value pages"),
-                    (available(self.device_index, [u for i, u in values if i is self.device_index]), fresh_device,
-                     "device value pages")]
+                     n - h - min(max(d - h, 0), device), "host value pages")]
         return [f"{what} ({k} needed, {r} {'free' if free else 'in all'})" for r, k, what in room if k > r]
 
     def can_allocate(self, prompt_len: int, max_new_tokens: int, prompt_token_ids: list[int] | None = None) -> bool:
@@ -224,7 +229,7 @@ class ShadowKVManager(CacheManager):
         for v in hit_values:
             index, unit = self._value_index(v)
             index.acquire([unit])
-        fresh_device = max(device_value_pages(self.config, n) - len(hit), 0)
+        fresh_device = min(max(device_value_pages(self.config, n) - len(hit), 0), self.device_index.num_available)
         gpu_pages = hit + self.gpu_index.alloc(n - len(hit))
         value_pages = hit_values + [self.host_pages.num_blocks + p for p in self.device_index.alloc(fresh_device)]
         value_pages += self.host_index.alloc(n - len(value_pages))
@@ -239,7 +244,31 @@ class ShadowKVManager(CacheManager):
         if prompt_token_ids is not None and self.prefix_caching:
             self.hit_tokens += cached
             self.query_tokens += prompt_len
+        self._move_shared_to_device(hit_values)
         return cached
+
+    def _move_shared_to_device(self, values: list[int]) -> None:
+        """Those of an admission's adopted value pages that lie on the host and are now shared move to free pages of
+        the device region (none evicted for them), as many as it has: their index entries, their holders' counts and
+        every holder's page table go with them, and on_move copies them."""
+        host = self.host_pages.num_blocks
+        shared = [v for v in values if v < host and self.host_index.refs(v) > 1]
+        shared = shared[:self.device_value_pages.num_free]
+        if not shared or self.on_move is None:
+            return
+        units = self.device_index.alloc(len(shared))  # free units only: nothing cached is evicted
+        for v, unit in zip(shared, units):
+            block_hash, holders = self.host_index.hash_of(v), self.host_index.refs(v)
+            self.host_index.discard(block_hash)
+            self.device_index.insert(block_hash, unit)
+            self.device_index.acquire([unit] * (holders - 1))
+            self.host_index.release([v] * holders)  # its last holder gone: back to the pool
+        moved = {v: host + unit for v, unit in zip(shared, units)}
+        for st in self.seqs.values():
+            if any(p in moved for p in st.value_pages):
+                st.value_pages = [moved.get(p, p) for p in st.value_pages]
+                st.value_table = torch.tensor(st.value_pages, dtype=torch.int64)
+        self.on_move(list(moved), list(moved.values()))
 
     def prefilled(self, seq_id: int, sv: torch.Tensor, outlier_k: torch.Tensor, outlier_v: torch.Tensor,
                   outlier_counts: torch.Tensor) -> None:

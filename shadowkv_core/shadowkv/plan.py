@@ -15,13 +15,17 @@ from shadowkv_core.transfers import to_device
 class PageTables:
     """(2, B, W) int32 device tables of a batch: GPU pages and value pages, zero-padded to W, the power of two at or
     above its longest page list (a captured CUDA graph is keyed on their shape). A sequence's pages are fixed when it
-    is allocated, so the tables of the last few batches are held and copied while the same sequences decode together
-    instead of being rebuilt from Python lists every step."""
+    is allocated (until shared values move to the device: `clear`), so the tables of the last few batches are held
+    and copied while the same sequences decode together instead of being rebuilt from Python lists every step."""
 
     def __init__(self, device: torch.device, held: int = 8):
         self.device = device
         self.held = held  # batches whose tables are kept (pipelined halves count one each)
         self._tables: OrderedDict[tuple, tuple] = OrderedDict()  # batch -> (its states, its tables)
+
+    def clear(self) -> None:
+        """Forget the held tables (a sequence's value pages moved)."""
+        self._tables.clear()
 
     def of(self, states: list[SequenceState]) -> torch.Tensor:
         """A fresh copy, the plan's own (a captured graph keeps the plan's tensors as its inputs, and overwrites
