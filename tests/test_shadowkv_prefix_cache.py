@@ -469,15 +469,17 @@ def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     KV head a miss (prefill.fetch_prefix_values), from host pages and device-region pages: what the host gather reads."""
     torch.manual_seed(5)
     C, page, Hkv, d = 4, 16, 2, 32
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU, in Triton's interpreter
     kw = dict(value_format="fp8", chunk_size=C) if fp8 else dict(chunk_size=C)
     store = HostValueStore(num_layers=2, num_pages=5, page_tokens=page, num_kv_heads=Hkv, head_dim=d,
-                           dtype=torch.float16, pin=False, num_device_pages=3, **kw)
+                           dtype=torch.float16, pin=device == "cuda", num_device_pages=3, device=device, **kw)
     table = torch.tensor([5, 1, 7, 0, 3])  # device pages 0 and 2 among host pages
     store.write(slice(None), table, 0, torch.randn(2, 5 * page, Hkv, d, dtype=torch.float16))
     cache = SimpleNamespace(config=SimpleNamespace(chunk_size=C), host=store)
-    st = SimpleNamespace(gpu_table=torch.zeros(1, dtype=torch.int64), value_table=table)
+    st = SimpleNamespace(gpu_table=torch.zeros(1, dtype=torch.int64, device=device), value_table=table)
     n = 4 * page // C  # the first four pages' chunks
     for layer in range(2):
         got = fetch_prefix_values(cache, layer, st, Hkv, n)  # (Hkv, n*C, d)
         want = store.gather(layer, table, torch.arange(n).repeat(Hkv), torch.arange(Hkv).repeat_interleave(n), C)
-        torch.testing.assert_close(got, want.view(Hkv, n * C, d), rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu(), want.view(Hkv, n * C, d), rtol=0, atol=0)
+    store.close()

@@ -89,6 +89,23 @@ def test_prefix_caching_can_be_turned_off_for_a_run(tmp_path):
         assert on["later_turns_ttft_p50_s"] is not None
 
 
+def test_a_scenario_warm_up_leaves_the_timed_run_its_own_counts(tmp_path):
+    """--warm-up scenario serves the scenario once with another seed before the timed run, then clears the prefix
+    cache: the timed run's prefix counts are the same as after the one-request warm-up, not the two runs' sum."""
+    rows = {}
+    for mode in ("request", "scenario"):
+        out = tmp_path / f"{mode}.json"
+        run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
+                   "--events", "--scenarios", "shared_doc", "--methods", "shadowkv", "--no-isolate", "--warm-up", mode,
+                   "--out", str(out), timeout_s=600)
+        (rows[mode],) = json.loads(out.read_text())["rows"]
+        check_run([rows[mode]], [("shared_doc", "shadowkv")])
+    assert rows["request"]["warm_up"] == "request" and rows["scenario"]["warm_up"] == "scenario"
+    counts = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")
+    assert rows["request"]["prefix_hit_tokens"] > 0
+    assert [rows["scenario"][k] for k in counts] == [rows["request"][k] for k in counts]
+
+
 def test_max_num_seqs_overrides_the_config(tmp_path):
     """--max-num-seqs 2: the engine runs two of shared_doc's readers at a time, never three."""
     out = tmp_path / "two.json"

@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
+    parser.add_argument("--warm-up", choices=("request", "scenario"), default="request",
+                        help="offline, our engines: before the timed run, one request of a quarter of the context "
+                        "(at most 8K tokens), or that and the scenario once with another seed (every kernel compiled "
+                        "and batch shape captured first)")
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="offline: stop each run this long after its start; what is open then counts as unfinished")
     parser.add_argument("--rates", type=float, nargs="+", default=None,

@@ -56,6 +56,9 @@ def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> Engin
     return EngineConfig(**engine_fields(method_args(app_args, model, dummy, method), model))
 
 
+PREFIX_COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")
+
+
 def warm_up_prompt(max_model_len: int, vocab_size: int) -> list[int]:
     """A warm-up request's prompt, that compiles the kernels: a quarter of the context (at most 8K tokens), long
     enough to be kept in shadows."""
@@ -69,22 +72,36 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
+def warm_up_on_scenario(engine: LLMEngine, args: argparse.Namespace, scenario: str) -> None:
+    """The scenario once, untimed, drawn with another seed (no prompt of the timed run is cached by it), then the
+    prefix cache cleared: every kernel the timed run launches is compiled and every batch shape it decodes captured
+    before it starts, as on a replica that has served for a while."""
+    workload = make_workload(scenario, args.seed + 1, engine.spec.vocab_size, args.scale, args.count_scale)
+    OfflineRun(engine, workload, progress(f"{scenario} warm-up", workload), args.time_limit_s).run()
+    engine.clear_prefix_cache()
+
+
 def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
     """One scenario through one fresh engine -> its row (and, with --events, each request's events)."""
     model, dummy = model_dir(args.model, app_args["max_model_len"])
     engine = LLMEngine(engine_config(app_args, model, dummy, method))
     try:
         warm_up(engine)
+        if args.warm_up == "scenario":
+            warm_up_on_scenario(engine, args, scenario)
         workload = make_workload(scenario, args.seed, engine.spec.vocab_size, args.scale, args.count_scale)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         bar = progress(f"{scenario} {method}", workload)
+        before = engine.stats()
         records, trace, wall = OfflineRun(engine, workload, bar, args.time_limit_s).run()
         shadowkv = None if engine.shadowkv is None else vars(engine.shadowkv)
-        prefix = {k: v for k, v in engine.stats().items() if k.startswith("prefix_")}
+        # the timed run's own counts; prefix_cached_bytes is a level, as the run leaves it
+        prefix = {k: v - before[k] if k in PREFIX_COUNTERS else v for k, v in engine.stats().items()
+                  if k.startswith("prefix_")}
         return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(), **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
-                       prefill_step_tflop=engine.config.prefill_step_tflop,
+                       prefill_step_tflop=engine.config.prefill_step_tflop, warm_up=args.warm_up,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
                        unfinished=sum(r.error == UNFINISHED for r in records))
     finally:
