@@ -117,6 +117,23 @@ def test_chunk_attention_passes_its_key_count(monkeypatch):
     assert seen == [203]
 
 
+def test_auto_takes_triton_for_a_square_slice_short_of_the_whole_prompt(monkeypatch):
+    """Under "auto" (where no kernel holds the scores) a square causal block goes to SDPA only when it is all of the
+    sequence's queries; a sliced prefill's first slice (whole=False) goes to the Triton kernel. Both give the
+    reference."""
+    import kernels.prefill_attention as kernel
+    monkeypatch.setattr(attention, "_scores_never_exist", lambda q: True)
+    calls = []
+    monkeypatch.setattr(attention, "prefill_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or kernel.prefill_attention(*a, **kw))
+    q, k, v, cu_q, cu_k = _inputs([(37, 37)], 4, 2, 64, torch.float32, DEVICE, seed=6)
+    want, _ = prefill_chunks_attention_ref(q, k, v, cu_q, cu_k, 0.125)
+    assert_close(chunk_attention(q, k, v, 0.125, AUTO), want, torch.float32, "whole square block")
+    assert calls == []
+    assert_close(chunk_attention(q, k, v, 0.125, AUTO, whole=False), want, torch.float32, "square slice")
+    assert calls == [37]
+
+
 def test_choose_num_splits():
     """The Llama-8B suffix prefill: one reader's 32 programs on 132 SMs split 4 ways (128 programs, one wave); a
     batch that fills the GPU, short keys, or no SM count (off CUDA) do not split."""

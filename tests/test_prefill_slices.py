@@ -76,6 +76,32 @@ def test_a_finely_sliced_prefill_of_a_ragged_batch_gives_the_unsliced_logits(tin
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_attention_slices_say_whether_they_hold_all_of_a_sequences_queries(tiny_path, cache, monkeypatch):
+    """A finely sliced prefill hands its caches slices of each sequence's queries marked whole=False (under "auto"
+    on CUDA those take the Triton kernel, whose launch serves every slice size, where SDPA's cuDNN kernel would build
+    a plan for each); an unsliced one hands each sequence's queries whole."""
+    prompts = [tokens(n, seed) for n, seed in ((90, 6), (61, 7))]
+    llm = make_llm(tiny_path, CACHES[cache])
+    engine, seen = llm.engine, []
+    target = type(engine.cache)
+    original = target.prefill_attention
+    monkeypatch.setattr(target, "prefill_attention",
+                        lambda self, q, k, v, whole=True: seen.append((q.shape[0], whole)) or original(self, q, k, v,
+                                                                                                       whole))
+    sliced_logits(engine, allocated(engine, prompts), rows_of(engine, 7))
+    layers = engine.model.spec.num_layers
+    assert {n for n, whole in seen if whole} == set() and len(seen) > 2 * layers
+    assert sum(n for n, _ in seen) == layers * sum(map(len, prompts))
+    seen.clear()
+    unsliced = make_llm(tiny_path, CACHES[cache])
+    monkeypatch.setattr(type(unsliced.engine.cache), "prefill_attention",
+                        lambda self, q, k, v, whole=True: seen.append((q.shape[0], whole)) or original(self, q, k, v,
+                                                                                                       whole))
+    sliced_logits(unsliced.engine, allocated(unsliced.engine, prompts), float("inf"))
+    assert sorted(seen) == sorted([(90, True), (61, True)] * layers)
+
+
 @pytest.mark.parametrize("budget", [None, 1e-9])
 def test_a_suffix_after_a_cached_prefix_prefills_sliced_to_the_cold_logits(tiny_path, budget):
     doc, suffix = tokens(48, 11), tokens(37, 12)

@@ -177,9 +177,11 @@ class KVCache(abc.ABC):
         Shapes as in `attend`."""
         raise NotImplementedError(f"{type(self).__name__} prefills whole layers only")
 
-    def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          whole: bool = True) -> torch.Tensor:
         """Causal attention of a chunk of one sequence's queries (n_q, Hq, d), the last n_q of keys and values
-        (n_k, Hkv, d): attention.chunk_attention as this cache's prefill runs it."""
+        (n_k, Hkv, d), all of its queries or (whole False) a slice of them: attention.chunk_attention as this cache's
+        prefill runs it."""
         raise NotImplementedError(f"{type(self).__name__} prefills whole layers only")
 
     def prefill_end(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor,

@@ -228,8 +228,8 @@ class DenseKVCache(KVCache):
             keys.append(self._load(layer, rows))
         return keys
 
-    def prefill_attention(self, q, keys, values):
-        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention)
+    def prefill_attention(self, q, keys, values, whole=True):
+        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention, whole)
 
     def _decode_plan(self, meta: AttentionMetadata):
         """(block table (B, blocks), key counts (B,), slot ids (B,), max_len) of a decode forward, on the device. The

@@ -225,10 +225,10 @@ class DecoderLayer(nn.Module):
                           cache: KVCache, budget: PrefillBudget) -> Generator[None, None, None]:
         """One sequence's causal attention into out by query chunks (unlimited, as prefill_attention_ref takes them):
         q (n, Hq, d), the last n of keys and values."""
-        before = keys.shape[0] - q.shape[0]  # the cached prefix's keys
+        before, n = keys.shape[0] - q.shape[0], q.shape[0]  # the cached prefix's keys
 
         def attend(s: int, e: int) -> None:
-            out[s:e] = cache.prefill_attention(q[s:e], keys[:before + e], values[:before + e])
+            out[s:e] = cache.prefill_attention(q[s:e], keys[:before + e], values[:before + e], e - s == n)
 
         yield from budget.run_slices(q.shape[0], query_chunk_limit(q, self.chunk_tokens),
                                      lambda s, e: budget.attention(before + s, e - s), attend)

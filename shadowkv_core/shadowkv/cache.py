@@ -131,8 +131,8 @@ class ShadowKVCache(KVCache):
         return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n], shared)
                 for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens)]
 
-    def prefill_attention(self, q, keys, values):
-        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention)
+    def prefill_attention(self, q, keys, values, whole=True):
+        return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention, whole)
 
     def prefill_end(self, layer, q, k_pre, k_rot, v, meta):
         for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens):

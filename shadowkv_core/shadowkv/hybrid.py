@@ -132,8 +132,8 @@ class HybridCache(KVCache):
                  for cache, sub, rows in self._sides(split)}
         return [next(sides[self.shadow if self.manager.in_shadow(s) else self.dense]) for s in meta.seq_ids]
 
-    def prefill_attention(self, q, keys, values):
-        return self.dense.prefill_attention(q, keys, values)  # both sides' specs are the model's
+    def prefill_attention(self, q, keys, values, whole=True):
+        return self.dense.prefill_attention(q, keys, values, whole)  # both sides' specs are the model's
 
     def prefill_end(self, layer, q, k_pre, k_rot, v, meta):
         split = self._split(meta)
