@@ -27,7 +27,8 @@ from benchmarks.accuracy import device_name
 from benchmarks.accuracy_runs import shadowkv_config
 from shadowkv_core import LLM
 from shadowkv_core.cache.base import AttentionMetadata
-from training.data import BOS, TASKS, load_corpus, make_sample
+from training.corpus import load_corpus
+from training.data import BOS, TASKS, make_sample
 from training.objectives import RANK_SHARE, KeyCapture, key_tail
 
 

@@ -17,7 +17,7 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
-from training.data import freeze, load_corpus, read_ascii
+from training.corpus import freeze, load_corpus, read_ascii
 from training.templates import MULTITURN, TASKS, ChainForm, NeedleForm, Phrasing, Templates
 
 CITIES = ("accra bergen cairo dakar dublin hanoi havana kyoto lagos lima lisbon manila minsk nairobi osaka oslo "

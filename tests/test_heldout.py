@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.heldout import HELDOUT, haystack, held_out_documents
-from training.data import BOS, load_corpus, make_sample, score
+from training.corpus import load_corpus
+from training.data import BOS, make_sample, score
 from training.templates import MULTITURN, RULER, TASKS, TRAINING_TEMPLATES, VARIED
 
 TRAINING = tuple(TRAINING_TEMPLATES.values())

@@ -5,9 +5,8 @@ disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus
 (needle sentences, questions, keys, variable chains) and the haystack's source come from a `Templates`
 (training/templates.py: RULER, the default, and VARIED; the evaluation's held-out set is benchmarks/heldout.py's).
 
-Haystacks are text found on every Debian/Python machine, read in sorted order: the licences under
-/usr/share/common-licenses, the /usr/share/doc/*/copyright files and the running interpreter's stdlib sources.
-Since those differ between machines, `write_corpus` freezes them into one file that can travel with a run.
+Haystacks are the training corpus's (training/corpus.py), which differs between machines: `--write-corpus` freezes
+it into one file that can travel with a run.
 
 Token ids are the project's byte-level vocabulary (tiny_model.save_byte_tokenizer): byte b is id b, BOS=256, EOS=257.
 A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes(answer) + [EOS]. The prompt is exactly
@@ -18,19 +17,14 @@ A prompt is [BOS] + bytes(haystack with needles + question); the answer is bytes
 from __future__ import annotations
 
 import argparse
-import gzip
 import random
-import sysconfig
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
+from training.corpus import load_corpus, write_corpus
 from training.templates import MULTITURN, RULER, TASKS, ChainForm, NeedleForm, Phrasing, Templates, number
 
 BOS, EOS = 256, 257
 TRAIN_SEED_BASE = 1_000_000_000  # training seeds are >= this, evaluation seeds below it
-_EVAL_EVERY = 10  # every 10th document (in sorted order) is held out for evaluation
-_SOURCE_CAP = 6_000_000  # bytes taken from each of the two large sources
 MULTITURN_TURNS = 5  # turns of a MULTITURN conversation, as the paper's Figure 7
 
 
@@ -52,57 +46,6 @@ class Turn:
     question: str
     answer: str
     items: tuple[str, ...]
-
-
-# ---------------------------------------------------------------- corpus
-
-def _system_documents() -> list[str]:
-    licences = sorted(p for p in Path("/usr/share/common-licenses").glob("*") if p.is_file())
-    copyrights = sorted(Path("/usr/share/doc").glob("*/copyright"))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = sorted(p for p in stdlib.rglob("*.py")
-                     if not ({"site-packages", "test", "tests"} & set(p.relative_to(stdlib).parts)))
-    docs = [read_ascii(p) for p in licences]
-    for group in (copyrights, sources):
-        taken = 0
-        for path in group:
-            if taken >= _SOURCE_CAP:
-                break
-            docs.append(read_ascii(path))
-            taken += len(docs[-1])
-    return [d for d in docs if len(d) > 200]
-
-
-def read_ascii(path: Path) -> str:
-    """A document's ASCII text (gunzipped if its name ends in .gz); "" if it cannot be read."""
-    try:
-        raw = path.read_bytes()
-        return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("ascii", errors="ignore")
-    except (OSError, EOFError):
-        return ""
-
-
-def freeze(path: str | Path, text: str) -> Path:
-    """Write haystack text into one file that can travel with a run."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="ascii")
-    return path
-
-
-def write_corpus(path: str | Path) -> Path:
-    """Freeze this machine's haystack documents into one file (documents separated by form feeds)."""
-    return freeze(path, "\f".join(_system_documents()))
-
-
-@lru_cache(maxsize=4)
-def load_corpus(split: str, corpus_file: str | None = None) -> str:
-    """All documents of one split ("train" or "eval") joined by blank lines."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    docs = (Path(corpus_file).read_text(encoding="ascii").split("\f") if corpus_file else _system_documents())
-    held_out = split == "eval"
-    return "\n\n".join(d for i, d in enumerate(docs) if (i % _EVAL_EVERY == 0) == held_out)
 
 
 def text_stream(seed: int, length: int, corpus_file: str | None = None) -> list[int]:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+from training.corpus import load_corpus
+
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
 MULTITURN = "niah_multiturn"  # one needle asked per turn, the conversation re-sent each turn
 
@@ -108,11 +110,6 @@ def snake_name(rng: random.Random) -> str:
     return "v_" + "".join(rng.choice("abcdefghjkmnpqrstuvwxyz") for _ in range(4))
 
 
-def _corpus(split: str, source_file: str | None) -> str:
-    from training.data import load_corpus  # data imports this module
-    return load_corpus(split, source_file)
-
-
 _MAGIC = NeedleForm(" The special magic number for {key} is: {value}. ", "special magic number",
                     "special magic numbers", "The special magic number for {key} is: ",
                     "The special magic numbers for {key} are: ")
@@ -123,7 +120,7 @@ _VAR = ChainForm(" VAR {name} = {value}. ", " VAR {name} = VAR {prev}. ",
                  "\nQuestion: Which variables are assigned the value {value}?\n"
                  "Answer: The variables assigned the value {value} are: ")
 
-RULER = Templates("ruler", (_MAGIC,), (_QUESTION,), (adjective_noun_key,), (_VAR,), (capital_name,), _corpus)
+RULER = Templates("ruler", (_MAGIC,), (_QUESTION,), (adjective_noun_key,), (_VAR,), (capital_name,), load_corpus)
 
 VARIED = Templates(
     "varied",
@@ -145,7 +142,7 @@ VARIED = Templates(
             ChainForm(" let {name} := {value}; ", " let {name} := {prev}; ",
                       "\nQ: Which names hold {value}?\nA: The names holding {value} are: ")),
     names=(capital_name, snake_name),
-    haystack=_corpus,
+    haystack=load_corpus,
     tasks=(*TASKS, MULTITURN))
 
 
@@ -255,7 +252,7 @@ COMPOSED = Templates(
                                                      (TOOLS, FRUITS, "#", 3, False))),
     chains=VARIED.chains,
     names=VARIED.names + (partial(coded_name, letters=2, sep="_"), partial(coded_name, letters=2, sep=".")),
-    haystack=_corpus,
+    haystack=load_corpus,
     tasks=(*TASKS, MULTITURN),
     compose=compose_forms,
     composed_share=0.8)
