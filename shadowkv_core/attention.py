@@ -61,13 +61,12 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     config.PREFILL_ATTENTIONS (EngineConfig.prefill_attention), or "auto": "triton" for a chunk after earlier keys,
     or for any slice of a sequence's queries short of all of them (whole False: a sliced prefill's first slice is a
     square block too, of a size each layer's budget makes anew), on CUDA in half precision (head dims it takes), else
-    "sdpa". "sdpa", attention_ref itself (SDPA with a
-    causal_lower_right bias); "sdpa_split", prefill_attention_split by SDPA's flash kernel; "cudnn", the same split
-    by its cuDNN kernel (CUDA); "triton", kernels/prefill_attention.py (CUDA, or Triton's interpreter; head dims 64
-    and 128), its keys split across programs where one chunk's grid leaves SMs idle (a short suffix after a long
-    prefix)."""
-    if implementation == AUTO:  # SDPA on a square causal block; after earlier keys the Triton kernel, whose compiled
-        # launch serves every shape (cuDNN builds a plan per new query and key count: every chunk of a prefill)
+    "sdpa". "sdpa", attention_ref itself (SDPA with a causal_lower_right bias); "sdpa_split",
+    prefill_attention_split by SDPA's flash kernel; "cudnn", the same split by its cuDNN kernel (CUDA); "triton",
+    kernels/prefill_attention.py (CUDA, or Triton's interpreter; head dims 64 and 128), its keys split across programs
+    where one chunk's grid leaves SMs idle (a short suffix after a long prefix)."""
+    if implementation == AUTO:  # SDPA on a whole prompt's square causal block; chunks and slices the Triton kernel,
+        # whose compiled launch serves every shape (cuDNN builds a plan per new query and key count)
         chunk = _scores_never_exist(q) and (k.shape[0] > q.shape[0] or not whole) and q.shape[-1] in HEAD_DIMS
         implementation = "triton" if chunk else "sdpa"
     if implementation == "sdpa_split":
