@@ -66,6 +66,7 @@ class Ingress:
         self.default_max_tokens = default_max_tokens
         self.metrics = METRICS
         self.info: dict | None = None
+        self.served_since: int | None = None
         self.footprint: Footprint | None = None
         self._info_task: asyncio.Task | None = None
 
@@ -245,10 +246,12 @@ class Ingress:
             return
         self.footprint = info["footprint"]
         self.metrics.model_name = info["model"]
+        self.served_since = int(time.time())  # the model card's `created`: one time for every listing of it
         self.info = info
 
     def _model_card(self) -> ModelCard:
-        return ModelCard(id=self.info["model"], max_model_len=self.info["max_model_len"], **self.weights)
+        return ModelCard(id=self.info["model"], created=self.served_since, max_model_len=self.info["max_model_len"],
+                         **self.weights)
 
     def _check_model(self, model: str | None) -> None:
         """The served model, or none named (only /tokenize and /detokenize may leave it out)."""
