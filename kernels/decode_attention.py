@@ -14,11 +14,15 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
                     as .permute(1, 0, 2)[None] with page_table (B, max_blocks) int32 and page_size (segment 0 only)
   scales            optional (k_scales, v_scales) (N, Hkv, T_0) fp32 of an fp8 segment 0 (the only segment), any
                     strides (a dense pool's (Hkv, rows) scales, the cache's layout, as [None]); keys and values enter
-                    the dots as their e4m3 values in q's dtype (exact), the key scales multiply the fp32 scores and
-                    the value scales the softmax weights
+                    the dots as their e4m3 values (exact) in fp16 (in fp32 for an fp32 q), the key scales multiply
+                    the fp32 scores and the value scales the softmax weights. The fp16 dots take q scaled by a power
+                    of two to max |q| = 256 and each block's weights over its largest value scale, so that neither
+                    overflows nor flushes whatever q's and the values' range.
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +47,22 @@ def _segment_rows(t, start, n, table_ptr, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to(x, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """e4m3 tensor -> DTYPE (exact). ASM: fp16 by the hardware's paired conversion, which Triton's own cast does not
+    reach (the interpreter runs no inline assembly)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""", constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True,
+            pack=4)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_ptr, lens1_ptr, lens2_ptr,
                   ks_ptr, vs_ptr, table_ptr, slot_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_splits,
                   split_tokens,
@@ -50,7 +70,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
                   stride_2n, stride_2h, stride_2t, stride_sn, stride_sh, stride_st, stride_tb, stride_pb, stride_ab,
                   GROUP: tl.constexpr,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, ASM: tl.constexpr):
     split, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0, n1, n2 = tl.load(lens0_ptr + b), tl.load(lens1_ptr + b), tl.load(lens2_ptr + b)
     lo = split * split_tokens
@@ -60,6 +80,12 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     heads = h * GROUP + offs_g
     g_mask = offs_g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    score_scale = scale_log2
+    if FP8 and FP8_DOT == tl.float16:
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        q_up = tl.exp2(8.0 - tl.ceil(tl.log2(tl.maximum(q_max, 1e-30))))  # a power of two: max |q| to 256
+        q = (q.to(tl.float32) * q_up).to(FP8_DOT)
+        score_scale = scale_log2 / q_up
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base0 = slot * stride_0n + h * stride_0h
     base1 = slot * stride_1n + h * stride_1h
@@ -79,9 +105,9 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             k_scale = tl.load(ks_ptr + s_rows, mask=valid, other=0.0)
             v_scale = tl.load(vs_ptr + s_rows, mask=valid, other=0.0)
             # the scales ride on the (GROUP_PAD, BLOCK_N) scores and weights, not on the (BLOCK_N, d) tiles
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), DOT_PRECISION, v_scale)
+            s = tl.dot(q, tl.trans(_e4m3_to(k, FP8_DOT, ASM)), input_precision=DOT_PRECISION)
+            s = tl.where(valid[None, :], s * (k_scale * score_scale)[None, :], float("-inf"))
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, _e4m3_to(v, FP8_DOT, ASM), DOT_PRECISION, v_scale)
         else:
             in1, row1 = _segment_rows(t, n0, n1, table_ptr, 0)
             in2, row2 = _segment_rows(t, n0 + n1, n2, table_ptr, 0)
@@ -181,7 +207,10 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         k2.stride(0), k2.stride(1), k2.stride(2), *stride_s, page_table.stride(0), part_m.stride(0),
         part_acc.stride(0), GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)),
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        ASM=fp8 and q.dtype != torch.float32 and q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1",
+        **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

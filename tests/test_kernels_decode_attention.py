@@ -52,15 +52,22 @@ def _check_dense(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, **
     assert_close(got, expected, dtype, "dense paged decode attention")
 
 
-def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, head_major=True, **launch):
+def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0, head_major=True, q_mult=1.0,
+                     v_mult=None, **launch):
     """fp8 pools with one scale per token and KV head (the dense cache's kv_cache_dtype fp8): the kernel reads them
-    dequantised to q's dtype, as the reference does. Scales stored (Hkv, rows), the cache's layout, or (rows, Hkv)
-    without head_major (the kernel takes any strides)."""
+    dequantised, as the reference does. Scales stored (Hkv, rows), the cache's layout, or (rows, Hkv) without
+    head_major (the kernel takes any strides). q times q_mult; sequence i's values times v_mult[i], and its output
+    compared over v_mult[i] (the tolerance is absolute)."""
     g = torch.Generator().manual_seed(seed)
     table, num_blocks = page_tables(context_lens, block_size, g)
     k_pool, k_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
-    v_pool, v_scales = quantize_values(torch.randn(num_blocks * block_size, Hkv, d, generator=g).to(device), 1)
-    q = torch.randn(len(context_lens), Hq, d, generator=g).to(device, dtype)
+    v = torch.randn(num_blocks * block_size, Hkv, d, generator=g)
+    v_mult = torch.ones(len(context_lens)) if v_mult is None else torch.tensor(v_mult, dtype=torch.float32)
+    for i, n in enumerate(context_lens):
+        pages = table[i, :-(-n // block_size)].long().cpu()
+        v[(pages[:, None] * block_size + torch.arange(block_size)).flatten()] *= v_mult[i]
+    v_pool, v_scales = quantize_values(v.to(device), 1)
+    q = (torch.randn(len(context_lens), Hq, d, generator=g) * q_mult).to(device, dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     table = table.to(device)
     scale = d ** -0.5
@@ -74,7 +81,8 @@ def _check_dense_fp8(context_lens, Hq, Hkv, d, block_size, dtype, device, seed=0
         k_scales, v_scales = k_scales.T, v_scales.T
     got = decode_attention(q, [pool], slot_ids, scale, max(context_lens), page_table=table, page_size=block_size,
                            scales=(k_scales[None], v_scales[None]), **launch)  # (1, Hkv, rows)
-    assert_close(got, expected, dtype, "dense paged decode attention, fp8 pools")
+    per_seq = v_mult.to(device)[:, None, None]
+    assert_close(got.float() / per_seq, expected.float() / per_seq, dtype, "dense paged decode attention, fp8 pools")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -109,6 +117,22 @@ def test_dense_decode_attention_fp8_variants(variant, context_lens, Hq, Hkv, dty
     """Odd block counts, ragged batches, GQA groups."""
     _check_dense_fp8(context_lens, Hq, Hkv, 32, 16, dtype, DEVICE, block_n=16, split_tokens=48,
                      **FP8_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_decode_attention_fp8_value_range(dtype):
+    """Values from 1e-3 to 1e3 (fp16 weights times such scales would flush or overflow): each block's weights enter
+    the dot over its largest scale."""
+    _check_dense_fp8([70, 33, 129], 8, 2, 32, 16, dtype, DEVICE, v_mult=[1e-3, 1.0, 1e3], block_n=16,
+                     split_tokens=48)
+
+
+@pytest.mark.gpu
+def test_dense_decode_attention_fp8_range_llama():
+    """A bf16 q beyond fp16's range and values far from 1: the fp16 dots take q scaled by a power of two."""
+    lens = ragged_lengths(8 * 1024, 3, seed=3)
+    _check_dense_fp8(lens, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], 16, torch.bfloat16,
+                     "cuda", q_mult=1e5, v_mult=[1e-6, 1.0, 1e3])
 
 
 @pytest.mark.gpu
