@@ -78,9 +78,14 @@ def indexes(manager):
 
 
 def consistent(manager):
-    """Each indexed page's GPU page and value page are indexed together, and named with a record."""
+    """Each indexed page's GPU page and value page are indexed together, and named with a record; the cached bytes
+    usage() reports (kept as pages come and go) are those of the pages and of their distinct records now."""
     gpu, host, device = indexes(manager)
-    return len(manager.cached) == gpu.num_cached == host.num_cached + device.num_cached
+    records = {id(record): record.nbytes for _, record in manager.cached.values()}
+    cached_bytes = (gpu.num_cached * manager.gpu_pages.unit_bytes
+                    + (host.num_cached + device.num_cached) * manager.host_pages.unit_bytes + sum(records.values()))
+    return (len(manager.cached) == gpu.num_cached == host.num_cached + device.num_cached
+            and manager.usage()["prefix_cached_bytes"] == cached_bytes)
 
 
 def settled(engine):

@@ -104,6 +104,8 @@ class ShadowKVManager(CacheManager):
             for pool in (self.host_pages, self.device_value_pages))
         self.seqs: dict[int, SequenceState] = {}
         self.cached: dict[int, tuple[bytes, ShadowRecord]] = {}  # indexed GPU page -> (its hash, its record)
+        self._record_pages: dict[int, int] = {}  # id of a record -> its pages in `cached`
+        self._record_bytes = 0  # those records' bytes, each once: usage() runs every step, in O(1)
         self._prompt_hashes = PromptHashes(self.page_tokens)
         self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full pages, indexed once it is prefilled
         self._chain: dict[int, tuple[int, bytes]] = {}  # pages indexed after the prefill, and the last one's hash
@@ -130,9 +132,27 @@ class ShadowKVManager(CacheManager):
 
     def _drop(self, block_hash: bytes, gpu_page: int | None) -> None:
         """A page evicted from one pool's index leaves the others too: its GPU page and value page go together."""
-        self.cached.pop(gpu_page, None)
+        self._uncache(gpu_page)
         for index in (self.gpu_index, self.host_index, self.device_index):
             index.discard(block_hash)
+
+    def _cache(self, gpu_page: int, block_hash: bytes, record: ShadowRecord) -> None:
+        self._uncache(gpu_page)
+        self.cached[gpu_page] = (block_hash, record)
+        held = self._record_pages.get(id(record), 0)
+        if not held:
+            self._record_bytes += record.nbytes
+        self._record_pages[id(record)] = held + 1
+
+    def _uncache(self, gpu_page: int) -> None:
+        _, record = self.cached.pop(gpu_page, (None, None))
+        if record is None:
+            return
+        held = self._record_pages.pop(id(record)) - 1
+        if held:
+            self._record_pages[id(record)] = held
+        else:
+            self._record_bytes -= record.nbytes
 
     def _hashes(self, prompt_len: int, prompt_token_ids: list[int] | None) -> list[bytes]:
         if prompt_token_ids is None or not self.prefix_caching:
@@ -288,7 +308,7 @@ class ShadowKVManager(CacheManager):
             if self.gpu_index.insert(h, st.gpu_pages[i]):
                 index, unit = self._value_index(st.value_pages[i])
                 index.insert(h, unit)
-                self.cached[st.gpu_pages[i]] = (h, st.record)
+                self._cache(st.gpu_pages[i], h, st.record)
 
     def free(self, seq_id: int, token_ids: list[int] | None = None) -> None:
         st = self.seqs.pop(seq_id)
@@ -305,14 +325,14 @@ class ShadowKVManager(CacheManager):
 
     def clear_prefix_cache(self) -> int:
         dropped = sum(index.clear() for index in (self.gpu_index, self.host_index, self.device_index))
-        self.cached = {page: held for page, held in self.cached.items() if self.gpu_index.is_indexed(page)}
+        for page in [page for page in self.cached if not self.gpu_index.is_indexed(page)]:
+            self._uncache(page)
         return dropped
 
     def usage(self) -> dict[str, int]:
         """Pages some sequence holds are in use, each counted once however many share it; cached pages no sequence
         holds are not (an allocation evicts them). prefix_cached_bytes: indexed pages and their records (host)."""
         gpu_unit, value_unit = self.gpu_pages.unit_bytes, self.host_pages.unit_bytes
-        records = {id(record): record.nbytes for _, record in self.cached.values()}
         cached_values = self.host_index.num_cached + self.device_index.num_cached
         return {"num_seqs": len(self.seqs),
                 "gpu_bytes_in_use": self.slots.bytes_in_use + self.gpu_index.num_in_use * gpu_unit
@@ -321,6 +341,6 @@ class ShadowKVManager(CacheManager):
                 "host_bytes_in_use": self.host_index.num_in_use * value_unit,
                 "host_bytes_total": self.host_pages.bytes_total,
                 "prefix_cached_bytes": self.gpu_index.num_cached * gpu_unit + cached_values * value_unit
-                + sum(records.values()),
+                + self._record_bytes,
                 "prefix_hit_tokens": self.hit_tokens, "prefix_query_tokens": self.query_tokens,
                 "prefix_evictions": sum(i.evictions for i in (self.gpu_index, self.host_index, self.device_index))}
