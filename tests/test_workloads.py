@@ -1,12 +1,16 @@
 """The workload benchmark through its command line (benchmarks/workloads): the scenarios are seeded and exactly the
 sizes they name; the offline driver serves every scenario with every method on the tiny and the shipped model, each
 request getting exactly the tokens it asked for, each turn of a conversation carrying the turns before it; and the
-figures it reports are those of the token timings it recorded."""
+figures it reports are those of the token timings it recorded, with the time between the engine's steps apart."""
 import json
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from benchmarks.workloads.offline import OfflineRun
+from benchmarks.workloads.scenarios import Conversation, Turn
 from support.cli import run_module
 from support.workloads import METHODS, SCENARIOS, SMALL, check_run, dump
 
@@ -179,3 +183,45 @@ def test_figures_from_known_timings(tmp_path):
         run_module("benchmarks.workloads", "--resummarize", str(run), "--ttft-bound-s", str(bounds[0]),
                    "--itl-bound-ms", str(bounds[1]), "--out", str(out), timeout_s=120)
         assert json.loads(out.read_text())["rows"][0]["goodput_per_min"] == pytest.approx(goodput), bounds
+
+
+class _SlowStatsEngine:
+    """Answers one token per request per step at once; its statistics take STATS_S a call, as a bookkeeping cost
+    between steps would."""
+    STATS_S = 0.02
+    last_step_prefilled = False
+
+    def __init__(self):
+        self.left: dict[str, int] = {}
+
+    def add_request(self, request_id, prompt, params):
+        self.left[request_id] = params.max_tokens
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        outputs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            outputs.append(SimpleNamespace(request_id=rid, new_token_ids=[7], finished=done, token_ids=[7],
+                                           finish_reason="length" if done else None, error=None))
+            if done:
+                del self.left[rid]
+        return outputs
+
+    def stats(self):
+        time.sleep(self.STATS_S)
+        return {"host_bytes_in_use": 0}
+
+
+def test_time_between_the_engines_steps_is_reported_apart_from_the_steps():
+    """What the engine's statistics cost between steps shows in outside_steps_s, not in the steps' times."""
+    workload = [Conversation(i, 0.0, (1, 2, 3), (Turn((4,), 3), Turn((5,), 2))) for i in range(2)]
+    records, trace, wall = OfflineRun(_SlowStatsEngine(), workload).run()
+    summary = trace.summary(wall)
+    steps = summary["steps"]
+    assert steps == 5 and all(r.finish_reason == "length" for r in records) and len(records) == 4
+    assert summary["outside_steps_s"] >= steps * _SlowStatsEngine.STATS_S
+    assert summary["outside_steps_s"] > summary["prefill_step_s"] + summary["decode_only_step_s"]

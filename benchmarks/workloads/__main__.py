@@ -34,7 +34,8 @@ from .scenarios import SCENARIOS, describe, make_workload
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ["requests", "wall_s", "requests_per_min", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_ms",
            "goodput_per_min"]
-COLUMNS = {"offline": ["scenario", "method", *FIGURES, "prefill_step_share", "peak_gpu_gib", "hit_rate"],
+COLUMNS = {"offline": ["scenario", "method", *FIGURES, "prefill_step_share", "outside_steps_s", "peak_gpu_gib",
+                       "hit_rate"],
            "online": ["scenario", "method", "rate", "errors", *FIGURES, "peak_gpu_in_use_gib", "hit_rate"]}
 
 

@@ -28,11 +28,14 @@ class EngineTrace:
     selected: int = 0  # ShadowKV chunk selections over the run, and how many were already resident
     hits: int = 0
 
-    def summary(self) -> dict:
+    def summary(self, wall: float) -> dict:
+        """outside_steps_s: the run's time between the engine's steps (the driver's bookkeeping, the engine's
+        statistics), which a server pays between steps too."""
         total = sum(s for s, _ in self.steps)
         with_prefill = sum(s for s, prefilled in self.steps if prefilled)
         return {"steps": len(self.steps), "prefill_step_share": with_prefill / total if total else 0.0,
                 "prefill_step_s": with_prefill, "decode_only_step_s": total - with_prefill,
+                "outside_steps_s": wall - total,
                 "peak_host_gib": self.peak_host_bytes / 2**30,
                 "hit_rate": self.hits / self.selected if self.selected else None}
 

@@ -99,7 +99,7 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         # the timed run's own counts; prefix_cached_bytes is a level, as the run leaves it
         prefix = {k: v - before[k] if k in PREFIX_COUNTERS else v for k, v in engine.stats().items()
                   if k.startswith("prefix_")}
-        return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(), **prefix,
+        return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(wall), **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
                        prefill_step_tflop=engine.config.prefill_step_tflop, warm_up=args.warm_up,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
