@@ -31,7 +31,8 @@ from kernels import MIN_HEAD_DIM
 from kernels.online_softmax import online_softmax_step
 
 _NUM_SMS: dict[int, int] = {}
-_PAIRED_E4M3: dict[int, bool] = {}  # the device converts e4m3 pairs to fp16 in one instruction (sm_89 and later)
+# the device converts e4m3 pairs to fp16 in one instruction (sm_89 and later); never in the interpreter
+_PAIRED_E4M3: dict[int, bool] = {}
 
 
 @triton.jit
@@ -185,7 +186,8 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     if q.device.index not in _NUM_SMS:
         props = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
         _NUM_SMS[q.device.index] = props.multi_processor_count if props else 1
-        _PAIRED_E4M3[q.device.index] = props is not None and (props.major, props.minor) >= (8, 9)
+        _PAIRED_E4M3[q.device.index] = (props is not None and (props.major, props.minor) >= (8, 9)
+                                        and os.environ.get("TRITON_INTERPRET", "0") != "1")
     fp8 = kv_dtype != q.dtype
     block_n = block_n or (128 if fp8 else 64)
     blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
@@ -211,9 +213,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        ASM=fp8 and q.dtype != torch.float32 and _PAIRED_E4M3[q.device.index]
-        and os.environ.get("TRITON_INTERPRET", "0") != "1",
-        **launch)
+        ASM=fp8 and q.dtype != torch.float32 and _PAIRED_E4M3[q.device.index], **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)
