@@ -1,6 +1,6 @@
 """Triton kernels of the ShadowKV decode step and of prefill attention, one file per kernel: the `@triton.jit` body
 and one launcher that checks shapes, strides and dtypes, nothing else (`online_softmax.py`: the step the attention
-kernels share). Each kernel's PyTorch reference lives in `shadowkv_core`.
+kernels share; `fp8.py`: their e4m3 inputs). Each kernel's PyTorch reference lives in `shadowkv_core`.
 
 May import torch and triton only. (The name is fixed by the product; tests prove that Hugging Face transformers does
 not mistake this package for its optional `kernels` dependency.)

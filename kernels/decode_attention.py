@@ -21,18 +21,15 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, N slots):
   slot_ids          (B,) int32
   partials          m, l (B, Hq, S) fp32, acc (B, Hq, S, d) fp32 for S splits of split_tokens keys
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
+from kernels.fp8 import e4m3_to, fp16_query, paired_e4m3
 from kernels.online_softmax import online_softmax_step
 
 _NUM_SMS: dict[int, int] = {}
-# the device converts e4m3 pairs to fp16 in one instruction (sm_89 and later); never in the interpreter
-_PAIRED_E4M3: dict[int, bool] = {}
 
 
 @triton.jit
@@ -46,22 +43,6 @@ def _segment_rows(t, start, n, table_ptr, PAGE_SIZE: tl.constexpr):
     else:
         row = local.to(tl.int64)
     return inside, row
-
-
-@triton.jit
-def _e4m3_to(x, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """e4m3 tensor -> DTYPE (exact). ASM: fp16 by the hardware's paired conversion, which Triton's own cast does not
-    reach (the interpreter runs no inline assembly)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""", constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True,
-            pack=4)
-    return x.to(DTYPE)
 
 
 @triton.jit
@@ -84,9 +65,7 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     score_scale = scale_log2
     if FP8 and FP8_DOT == tl.float16:
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        q_up = tl.exp2(8.0 - tl.ceil(tl.log2(tl.maximum(q_max, 1e-30))))  # a power of two: max |q| to 256
-        q = (q.to(tl.float32) * q_up).to(FP8_DOT)
+        q, q_up = fp16_query(q)
         score_scale = scale_log2 / q_up
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base0 = slot * stride_0n + h * stride_0h
@@ -107,9 +86,9 @@ def _split_kernel(q_ptr, k0_ptr, v0_ptr, k1_ptr, v1_ptr, k2_ptr, v2_ptr, lens0_p
             k_scale = tl.load(ks_ptr + s_rows, mask=valid, other=0.0)
             v_scale = tl.load(vs_ptr + s_rows, mask=valid, other=0.0)
             # the scales ride on the (GROUP_PAD, BLOCK_N) scores and weights, not on the (BLOCK_N, d) tiles
-            s = tl.dot(q, tl.trans(_e4m3_to(k, FP8_DOT, ASM)), input_precision=DOT_PRECISION)
+            s = tl.dot(q, tl.trans(e4m3_to(k, FP8_DOT, ASM)), input_precision=DOT_PRECISION)
             s = tl.where(valid[None, :], s * (k_scale * score_scale)[None, :], float("-inf"))
-            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, _e4m3_to(v, FP8_DOT, ASM), DOT_PRECISION, v_scale)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, e4m3_to(v, FP8_DOT, ASM), DOT_PRECISION, v_scale)
         else:
             in1, row1 = _segment_rows(t, n0, n1, table_ptr, 0)
             in2, row2 = _segment_rows(t, n0 + n1, n2, table_ptr, 0)
@@ -184,10 +163,8 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
     # Enough splits to give every multiprocessor a few programs, whatever the batch.
     if q.device.index not in _NUM_SMS:
-        props = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
-        _NUM_SMS[q.device.index] = props.multi_processor_count if props else 1
-        _PAIRED_E4M3[q.device.index] = (props is not None and (props.major, props.minor) >= (8, 9)
-                                        and os.environ.get("TRITON_INTERPRET", "0") != "1")
+        _NUM_SMS[q.device.index] = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                                    if q.is_cuda else 1)
     fp8 = kv_dtype != q.dtype
     block_n = block_n or (128 if fp8 else 64)
     blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
@@ -213,7 +190,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        ASM=fp8 and q.dtype != torch.float32 and _PAIRED_E4M3[q.device.index], **launch)
+        ASM=fp8 and q.dtype != torch.float32 and paired_e4m3(q.device), **launch)
     _merge_kernel[(Hq, B)](
         part_m, part_l, part_acc, out, num_splits, part_m.stride(0), part_acc.stride(0), out.stride(0),
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=4)

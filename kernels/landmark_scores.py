@@ -10,7 +10,8 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNK
                                                its KV head (attended exactly, so left out of the softmax)
   scores       (B, Hkv, n_max) fp32 out        softmax prob, max over the group; -inf for outliers and padding
   landmark_scales (P, PAGE_CHUNKS, Hkv) fp32    optional: landmarks are then float8_e4m3fn, a chunk's logit is
-                                               (q · its fp8 landmark, exact in the dot) * its scale
+                                               (q · its e4m3 landmark, exact in fp16) * its scale; a half-precision
+                                               q enters the fp16 dot scaled by a power of two (kernels/fp8.py)
 Two launches: the first writes each block's logits (B, Hq, n_max) and its softmax partials (max, sum of exp) per
 query head; the second combines the partials of all blocks and writes the scores. A single pass would read the
 landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import MIN_HEAD_DIM
+from kernels.fp8 import e4m3_to, fp16_query, paired_e4m3
 
 
 @triton.jit
@@ -31,7 +33,8 @@ def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, flag
                    stride_lb, stride_pb,
                    N_MAX: tl.constexpr, NUM_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_CHUNKS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+                   ASM: tl.constexpr):
     blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(num_chunks_ptr + b)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -44,8 +47,11 @@ def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, flag
     page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_CHUNKS, mask=n_mask, other=0)
     lm_rows = page.to(tl.int64) * stride_lmp + (offs_n % PAGE_CHUNKS) * stride_lmc + h * HEAD_DIM
     lm = tl.load(lm_ptr + lm_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0)
-    if FP8:  # e4m3 converts exactly to the query's dtype; the chunk's scale multiplies its logit
-        lm = lm.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+    if FP8:  # e4m3 converts exactly to FP8_DOT; the chunk's scale multiplies its logit
+        if FP8_DOT == tl.float16:
+            q, q_up = fp16_query(q)
+            scale = scale / q_up
+        lm = e4m3_to(lm, FP8_DOT, ASM)
     logits = tl.dot(q, tl.trans(lm), input_precision=DOT_PRECISION) * scale  # (GROUP_PAD, BLOCK_N) fp32
     if FP8:
         lm_scale = tl.load(lm_scales_ptr + page.to(tl.int64) * stride_sp + (offs_n % PAGE_CHUNKS) * stride_sc + h,
@@ -125,7 +131,9 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.
         q.stride(0), landmarks.stride(0), landmarks.stride(1), landmark_scales.stride(0), landmark_scales.stride(1),
         outlier_flags.stride(0), outlier_flags.stride(1), page_table.stride(0), logits.stride(0), part_m.stride(0),
         N_MAX=n_max, NUM_BLOCKS=num_blocks, GROUP=G, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_CHUNKS=page_chunks,
-        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=num_warps)
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        FP8_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        ASM=fp8 and q.dtype != torch.float32 and paired_e4m3(q.device), num_warps=num_warps)
     # Wider blocks here: each program first combines the partials of all blocks of its (sequence, KV head).
     score_block = min(1024, triton.next_power_of_2(n_max))
     _scores_kernel[(triton.cdiv(n_max, score_block), Hkv, B)](

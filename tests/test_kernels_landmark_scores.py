@@ -28,9 +28,11 @@ def _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, se
             flags.to(device))
 
 
-def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0, fp8=False):
-    """fp8: landmarks quantised per chunk and KV head; the reference scores their fp32 dequantised values."""
+def _check(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed=0, fp8=False, q_mult=1.0):
+    """fp8: landmarks quantised per chunk and KV head; the reference scores their fp32 dequantised values. q times
+    q_mult."""
     args = _inputs(num_chunks, Hq, Hkv, d, max_outliers, page_chunks, dtype, device, seed)
+    args = ((args[0].float() * q_mult).to(dtype),) + args[1:]
     n_max = max(num_chunks) + 3  # a bucket larger than the longest sequence
     scale = d ** -0.5
     if fp8:
@@ -64,3 +66,12 @@ def test_landmark_scores_llama(context, batch, fp8):
     num_chunks = ragged_lengths(context // C, batch, seed=batch)
     _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
            torch.bfloat16, "cuda", fp8=fp8)
+
+
+@pytest.mark.gpu
+def test_landmark_scores_fp8_query_beyond_fp16_llama():
+    """A bf16 q beyond fp16's range: the fp16 dot takes q scaled by a power of two."""
+    C = LLAMA["chunk_size"]
+    num_chunks = ragged_lengths(8 * 1024 // C, 3, seed=3)
+    _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
+           torch.bfloat16, "cuda", fp8=True, q_mult=1e5)
