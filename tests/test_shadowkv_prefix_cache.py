@@ -79,11 +79,13 @@ def indexes(manager):
 
 def consistent(manager):
     """Each indexed page's GPU page and value page are indexed together, and named with a record; the cached bytes
-    usage() reports (kept as pages come and go) are those of the pages and of their distinct records now."""
+    usage() reports (kept as pages come and go) are those of the pages and of their records' distinct tensors now
+    (a later turn's record shares the basis it adopted)."""
     gpu, host, device = indexes(manager)
-    records = {id(record): record.nbytes for _, record in manager.cached.values()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for _, record in manager.cached.values() for t in record.tensors}
     cached_bytes = (gpu.num_cached * manager.gpu_pages.unit_bytes
-                    + (host.num_cached + device.num_cached) * manager.host_pages.unit_bytes + sum(records.values()))
+                    + (host.num_cached + device.num_cached) * manager.host_pages.unit_bytes + sum(storages.values()))
     return (len(manager.cached) == gpu.num_cached == host.num_cached + device.num_cached
             and manager.usage()["prefix_cached_bytes"] == cached_bytes)
 
@@ -147,6 +149,11 @@ def test_a_conversation_reuses_each_turns_prompt_and_answer(tiny_path, cold, mon
     # more than the pages of the earlier turn's prompt alone: the answer's pages were adopted too
     assert contexts[2] > (len(previous) - len(got) - 6) // 16 * 16
     assert all(c % 16 == 0 for c in contexts)
+    # every turn's record holds the first turn's basis (adopted, never copied), counted once in the cached bytes
+    manager = shadow_of(llm.engine)
+    records = {id(record): record for _, record in manager.cached.values()}
+    assert len(records) == 3 and len({record.sv.data_ptr() for record in records.values()}) == 1
+    assert consistent(manager)
     assert settled(llm.engine)
 
 

@@ -164,19 +164,27 @@ class ShadowKVCache(KVCache):
 
     def _record_of(self, st: SequenceState):
         """A prefilled sequence's slot basis and outliers, on the host (pinned on CUDA: adoption copies them back
-        without waiting), and the outliers each KV head of each layer has in its first p pages, for every p: what
-        manager.prefilled keeps for its pages."""
+        without waiting; an adopted record's own where the prefill left them unchanged), and the outliers each KV
+        head of each layer has in its first p pages, for every p: what manager.prefilled keeps for its pages."""
         O, L, pc = st.num_outliers * self.config.chunk_size, self.spec.num_layers, self.config.page_chunks
         flags = torch.stack([self.gpu.read_outliers(layer, st.gpu_table, st.num_shadow) for layer in range(L)])
         before = torch.nn.functional.pad(flags.long().cumsum(-1), (1, 0))  # (L, Hkv, n + 1)
         counts = before[..., [min(p * pc, st.num_shadow) for p in range(-(-st.num_shadow // pc) + 1)]]
-        own = []
-        for buf, rows in ((self.slots.sv, None), (self.slots.outlier_k, O), (self.slots.outlier_v, O)):
+        adopted = st.adopted
+        # the slot holds an adopted basis unchanged, and its outliers too where append_suffix made none up: shared
+        same_outliers = adopted is not None and adopted.outlier_k.shape[2] == O and int(
+            adopted.outliers_of(st.cached // self.gpu.page_tokens).min()) >= st.num_outliers
+
+        def host_copy(buf: torch.Tensor, rows: int | None) -> torch.Tensor:
             src = buf[st.slot, ..., :rows, :]  # copied: the slot is reused after the sequence
-            own.append(torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda")
-                       .copy_(src, non_blocking=True))
+            return torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda").copy_(
+                src, non_blocking=True)
+
+        sv = adopted.sv if adopted is not None else host_copy(self.slots.sv, None)
+        outliers = ((adopted.outlier_k, adopted.outlier_v) if same_outliers
+                    else (host_copy(self.slots.outlier_k, O), host_copy(self.slots.outlier_v, O)))
         # waits for the copies above too: the manager indexes the pages by these counts now
-        return (*own, counts.permute(2, 0, 1).cpu())  # counts (pages + 1, L, Hkv)
+        return (sv, *outliers, counts.permute(2, 0, 1).cpu())  # counts (pages + 1, L, Hkv)
 
     def _device_counts(self) -> tuple[int, torch.Tensor] | None:
         """The kernel path's counts of this decode forward (its plans': one per pipelined half): selections over

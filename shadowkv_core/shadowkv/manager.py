@@ -61,8 +61,9 @@ class ShadowRecord:
         return self.most_fewest[min(num_pages, len(self.most_fewest) - 1)]
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.sv, self.outlier_k, self.outlier_v))
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Its host tensors: a record that adopted another's basis and outliers unchanged holds that record's own."""
+        return self.sv, self.outlier_k, self.outlier_v
 
 
 @dataclass
@@ -105,7 +106,8 @@ class ShadowKVManager(CacheManager):
         self.seqs: dict[int, SequenceState] = {}
         self.cached: dict[int, tuple[bytes, ShadowRecord]] = {}  # indexed GPU page -> (its hash, its record)
         self._record_pages: dict[int, int] = {}  # id of a record -> its pages in `cached`
-        self._record_bytes = 0  # those records' bytes, each once: usage() runs every step, in O(1)
+        self._tensor_holds: dict[int, int] = {}  # storage of a record tensor -> those records holding it
+        self._record_bytes = 0  # those records' tensors' bytes, each once: usage() runs every step, in O(1)
         self._prompt_hashes = PromptHashes(self.page_tokens)
         self._to_index: dict[int, list[bytes]] = {}  # hashes of a prompt's full pages, indexed once it is prefilled
         self._chain: dict[int, tuple[int, bytes]] = {}  # pages indexed after the prefill, and the last one's hash
@@ -141,7 +143,7 @@ class ShadowKVManager(CacheManager):
         self.cached[gpu_page] = (block_hash, record)
         held = self._record_pages.get(id(record), 0)
         if not held:
-            self._record_bytes += record.nbytes
+            self._hold_tensors(record, 1)
         self._record_pages[id(record)] = held + 1
 
     def _uncache(self, gpu_page: int) -> None:
@@ -152,7 +154,17 @@ class ShadowKVManager(CacheManager):
         if held:
             self._record_pages[id(record)] = held
         else:
-            self._record_bytes -= record.nbytes
+            self._hold_tensors(record, -1)
+
+    def _hold_tensors(self, record: ShadowRecord, change: int) -> None:
+        """A record enters (1) or leaves (-1) the cache: its tensors' bytes count while any cached record holds them."""
+        for t in record.tensors:
+            key = t.untyped_storage().data_ptr()
+            before = self._tensor_holds.pop(key, 0)
+            if before + change:
+                self._tensor_holds[key] = before + change
+            if not before or not before + change:  # its first holder came, or its last one went
+                self._record_bytes += change * t.untyped_storage().nbytes()
 
     def _hashes(self, prompt_len: int, prompt_token_ids: list[int] | None) -> list[bytes]:
         if prompt_token_ids is None or not self.prefix_caching:
