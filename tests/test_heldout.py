@@ -38,7 +38,7 @@ def training_forms(composed: int = 1500) -> list[str]:
         chains += t.chains
         if t.compose is not None:
             rng = random.Random(f"forms:{t.name}")
-            for n, p, c in (t.compose(rng) for _ in range(composed)):
+            for n, p, c in (t.compose(rng, None) for _ in range(composed)):
                 needles.append(n), phrasings.append(p), chains.append(c)
     return list(dict.fromkeys([f for n in needles for f in (n.needle, n.one, n.all)]
                               + [f for p in phrasings for f in (p.one, p.all, p.two)]

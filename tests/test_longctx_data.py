@@ -5,7 +5,7 @@ import re
 import pytest
 
 from training.data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
-from training.templates import COMPOSED, MULTITURN
+from training.templates import ARBITRARY, COMPOSED, MULTITURN, any_key, any_name, corpus_words
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -70,18 +70,20 @@ def test_train_and_eval_draw_from_different_documents(tmp_path):
     assert train and not train & {0, 10, 20, 30}
 
 
+@pytest.mark.parametrize("templates", (COMPOSED, ARBITRARY), ids=lambda t: t.name)
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
-def test_composed_samples_are_answerable_and_their_forms_vary(task):
-    """COMPOSED makes new forms per sample: many distinct needle sentences and questions over 40 samples, each
-    sample's answer items in its context; a single needle's answer opening (the question's end) is, but for case, the
-    needle's own words before its value."""
+def test_composed_samples_are_answerable_and_their_forms_vary(task, templates):
+    """COMPOSED and ARBITRARY make new forms per sample: many distinct needle sentences and questions over 40
+    samples, each sample's answer items in its context; a single needle's answer opening (the question's end) is, but
+    for case, the needle's own words before its value."""
     needles, questions = set(), set()
     for seed in range(40):
-        sample = make_sample(task, 2048, seed, split="train", templates=COMPOSED)
+        sample = make_sample(task, 2048, seed, split="train", templates=templates)
         text = bytes(sample.prompt_ids[1:]).decode("ascii")
         body = text[:len(text) - len(sample.question)]
         assert all(item in body for item in sample.items)
-        form, phrasing, _ = COMPOSED.forms(random.Random(f"{task}:{seed}:composed"))  # as make_sample draws them
+        # as make_sample draws them
+        form, phrasing, _ = templates.forms(random.Random(f"{task}:{seed}:{templates.name}"))
         needles.add(form.needle)
         questions.add(phrasing.one)
         if task == "niah_single":
@@ -100,3 +102,35 @@ def test_task_rows_redraw_what_does_not_fit_a_short_row():
         ids, lm_mask, answer_mask = task_row(random.Random(i), 512, TRAIN_SEED_BASE + i, None, COMPOSED)
         assert len(ids) == len(lm_mask) == len(answer_mask) == 512
         assert 0 < sum(answer_mask) <= ANSWER_SLOT
+
+
+def test_arbitrary_forms_take_their_words_from_the_corpus_not_a_pool():
+    """ARBITRARY's own forms (three in four of its composed ones) are made of the training corpus's words: over 200
+    forms the needles' words are many and nearly all corpus words, where COMPOSED's come from its small pools."""
+    vocabulary = set(corpus_words(None))
+
+    def needle_words(templates):
+        rng = random.Random("words")
+        found = []
+        for _ in range(200):
+            form = templates.compose(rng, None)[0].needle.replace("{key}", "").replace("{value}", "")
+            found += [w.lower() for w in re.findall(r"[A-Za-z]{2,}", form)]
+        return found
+
+    arbitrary, composed = needle_words(ARBITRARY), needle_words(COMPOSED)
+    assert sum(w in vocabulary for w in arbitrary) >= 0.85 * len(arbitrary)
+    assert len(set(arbitrary)) > 4 * len(set(composed))
+
+
+def test_any_key_and_name_take_many_shapes():
+    """ARBITRARY's own keys and names: separators, digits or none, and cases vary, so no shape marks a key."""
+    rng = random.Random(0)
+    keys, names = [any_key(rng) for _ in range(400)], [any_name(rng) for _ in range(400)]
+    assert len(set(keys)) == len(keys) and all(" " not in k for k in keys)
+    separators = {sep for k in keys for sep in re.findall(r"[^A-Za-z0-9]", k)}
+    assert len(separators) >= 8
+    for made in (keys, names):
+        with_digits = sum(bool(re.search(r"\d", k)) for k in made)
+        assert 0.2 * len(made) < with_digits < 0.8 * len(made)
+        assert any(k.isupper() for k in made) and any(k.islower() for k in made)
+        assert any(k[0].isupper() and not k.isupper() for k in made)

@@ -3,7 +3,8 @@
 The same code feeds training (`training/train.py`) and evaluation (`benchmarks/accuracy.py`); the two draw from
 disjoint seed ranges (TRAIN_SEED_BASE) and from disjoint documents of the corpus (split "train" / "eval"). The words
 (needle sentences, questions, keys, variable chains) and the haystack's source come from a `Templates`
-(training/templates.py: RULER, the default, and VARIED; the evaluation's held-out set is benchmarks/heldout.py's).
+(training/templates.py: RULER, the default, VARIED, COMPOSED and ARBITRARY; the evaluation's held-out set is
+benchmarks/heldout.py's).
 
 Haystacks are the training corpus's (training/corpus.py), which differs between machines: `--write-corpus` freezes
 it into one file that can travel with a run.
@@ -77,11 +78,11 @@ class _Words:
     make_name: object
 
     @classmethod
-    def draw(cls, templates: Templates, rng: random.Random) -> _Words:
+    def draw(cls, templates: Templates, rng: random.Random, corpus_file: str | None = None) -> _Words:
         if templates.compose is None:  # RULER's and VARIED's draws stay as they were
             return cls(rng.choice(templates.needles), rng.choice(templates.phrasings), rng.choice(templates.keys),
                        rng.choice(templates.chains), rng.choice(templates.names))
-        form, phrasing, chain = templates.forms(rng)
+        form, phrasing, chain = templates.forms(rng, corpus_file)
         return cls(form, phrasing, rng.choice(templates.keys), chain, rng.choice(templates.names))
 
     def needle(self, key: str, value: str) -> str:
@@ -153,7 +154,7 @@ def make_sample(task: str, context: int, seed: int, depth: float | None = None, 
     from `corpus_file` where it takes one); `depth` places the first queried needle (None draws it), the other
     needles go to random depths. `turn`: which turn of a MULTITURN conversation the prompt asks (None draws it)."""
     rng = random.Random(f"{task}:{seed}")  # str seeds hash deterministically; tasks of one seed differ
-    words = _Words.draw(templates, random.Random(f"{task}:{seed}:{templates.name}"))
+    words = _Words.draw(templates, random.Random(f"{task}:{seed}:{templates.name}"), corpus_file)
     needles, queried, question, answer, items, turns = _task_parts(task, rng, words, turn)
     depths = [rng.random() for _ in needles]
     if depth is not None:

@@ -1,18 +1,22 @@
 """The words of the synthetic tasks: needle sentence forms, question phrasings, key vocabularies, variable-chain forms
 and where the haystack text comes from. training/data.py assembles a sample from one `Templates`.
 
-Three sets live here, all training's: RULER, the one form the tasks began with (the shipped model was trained on it
+Four sets live here, all training's: RULER, the one form the tasks began with (the shipped model was trained on it
 alone, and evaluation seeds of it reproduce the earlier samples exactly); VARIED, a few hand-written forms of each
-kind; and COMPOSED, which makes most samples' forms anew from word pools (openings, relations, nouns, question
-leads, askings, answer leads; more key and name shapes too), so that what the model learns is to find the fact a
+kind; COMPOSED, which makes most samples' forms anew from word pools (openings, relations, nouns, question leads,
+askings, answer leads; more key and name shapes too); and ARBITRARY, whose forms are mostly made of any of the
+corpus's words and half its keys and variable names of any shape of made-up words, so that no word marks a fact or
+a question and no shape marks a key: what the model should learn is to find the fact a
 question names and copy it, not one form's words (docs/accuracy.md says how far that has got). The
 evaluation's held-out set is not here: it is benchmarks/heldout.py's, which nothing under training/ imports.
 """
 from __future__ import annotations
 
 import random
+import re
+from collections import Counter
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 from training.corpus import load_corpus
@@ -76,13 +80,14 @@ class Templates:
     names: tuple[Callable[[random.Random], str], ...]
     haystack: Callable[[str, str | None], str]
     tasks: tuple[str, ...] = TASKS
-    compose: Callable[[random.Random], tuple[NeedleForm, Phrasing, ChainForm]] | None = None
+    # (rng, the corpus file training reads or None) -> forms
+    compose: Callable[[random.Random, str | None], tuple[NeedleForm, Phrasing, ChainForm]] | None = None
     composed_share: float = 0.0  # of samples whose forms `compose` makes; the others draw from the tuples
 
-    def forms(self, rng: random.Random) -> tuple[NeedleForm, Phrasing, ChainForm]:
+    def forms(self, rng: random.Random, corpus_file: str | None = None) -> tuple[NeedleForm, Phrasing, ChainForm]:
         """One sample's needle form, phrasing and chain form."""
         if self.compose is not None and rng.random() < self.composed_share:
-            return self.compose(rng)
+            return self.compose(rng, corpus_file)
         return rng.choice(self.needles), rng.choice(self.phrasings), rng.choice(self.chains)
 
 
@@ -200,7 +205,7 @@ def _noun(rng: random.Random) -> tuple[str, str]:
     return " ".join(words), " ".join(words) + "s"
 
 
-def compose_forms(rng: random.Random) -> tuple[NeedleForm, Phrasing, ChainForm]:
+def compose_forms(rng: random.Random, corpus_file: str | None = None) -> tuple[NeedleForm, Phrasing, ChainForm]:
     """A needle form, a phrasing and a chain form made for one sample: openings, relations, nouns, markers and
     askings drawn from the pools above, so no one form's words mark a fact or a question."""
     noun, nouns = _noun(rng)
@@ -257,4 +262,115 @@ COMPOSED = Templates(
     compose=compose_forms,
     composed_share=0.8)
 
-TRAINING_TEMPLATES = {t.name: t for t in (RULER, VARIED, COMPOSED)}
+
+# ---------------------------------------------------------------- ARBITRARY: forms of any words
+
+@lru_cache(maxsize=4)
+def corpus_words(corpus_file: str | None = None) -> tuple[str, ...]:
+    """Every word of 2-12 letters that training's corpus (its train split) has five times or more, lower-case."""
+    counts = Counter(w.lower() for w in re.findall(r"[A-Za-z]{2,12}", load_corpus("train", corpus_file)))
+    return tuple(sorted(w for w, c in counts.items() if c >= 5))
+
+
+def _some(rng: random.Random, words: tuple[str, ...], fewest: int, most: int) -> str:
+    return " ".join(rng.choice(words) for _ in range(rng.randint(fewest, most)))
+
+
+def _any_marker(rng: random.Random, words: tuple[str, ...]) -> str:
+    """A turn's opening line break and mark, of any word: a word and a colon, a header line, a bracketed word."""
+    word = _capital(rng.choice(words))
+    mark = rng.choice((f"{word}: ", f"{rng.choice(_HEADER_SYMBOLS)}{word}\n", f"{word.upper()}\n", f"[{word.lower()}] ",
+                       f"{word} {rng.choice(words)}: ", rng.choice(_SYMBOLS)))
+    return rng.choice(("\n", "\n", "\n\n")) + mark
+
+
+def arbitrary_forms(rng: random.Random, corpus_file: str | None = None) -> tuple[NeedleForm, Phrasing, ChainForm]:
+    """Forms whose every word is any of the corpus's: a fact is its key and its value with words around them (two or
+    more between), a question any words around the key, the answer's opening the fact's own words up to its value;
+    so no word marks a fact or a question, and only the key and the value carry the task."""
+    words = corpus_words(corpus_file)
+    noun = _some(rng, words, 1, 2)
+    nouns = noun + "s"
+    relation = _some(rng, words, 2, 4)
+    named = rng.random() < 0.5  # the relation ends with the value's noun, plural when asked for all values
+    sep = rng.choice(("", "", "", ":", " =", " ->", " |", " is"))
+    one = f"{{key}} {relation}{' ' + noun if named else ''}{sep} "
+    every = f"{{key}} {relation}{' ' + nouns if named else ''}{sep} "
+    before = _some(rng, words, 0, 3)
+    opening = _capital(before) + rng.choice((" ", ": ", ", ", " - ")) if before else ""
+    if rng.random() < 0.2:
+        opening, one, every = opening.upper(), one.upper().replace("{KEY}", "{key}"), every.upper().replace(
+            "{KEY}", "{key}")
+    whole = rng.random() < 0.5  # the answer opens with the whole sentence, its opening words included
+    needle = NeedleForm(f" {opening}{one}{{value}}{rng.choice(_ENDS)}", noun, nouns,
+                        opening + one if whole else one, opening + every if whole else every)
+    ask = _capital(_some(rng, words, 1, 3))
+    link, end = _some(rng, words, 1, 2), rng.choice(("?", ".", "", "?", " ?"))
+    lead, answer = _any_marker(rng, words), _any_marker(rng, words)
+    the = rng.choice(("the ", "the ", "", "a ", "each "))
+    phrasing = Phrasing(*(lead + f"{ask} {n} {link} {{keys}}{end}" + answer
+                          for n in (f"{the}{{noun}}", f"{rng.choice(('all', 'every one of', 'each of'))} the {{nouns}}",
+                                    f"{the}{{nouns}}")),
+                        rng.choice((*_JOINS, f" {rng.choice(words)} ")))
+    op = _some(rng, words, 1, 2)
+    prefix = _some(rng, words, 0, 1)
+    if rng.random() < 0.5:
+        op, prefix = op.upper(), prefix.upper()
+    prefix = prefix + " " if prefix else ""
+    things = rng.choice(words) + "s"
+    chain_end = rng.choice(_ENDS)
+    asked = _any_marker(rng, words) + f"{_capital(_some(rng, words, 1, 3))} {things} {_some(rng, words, 1, 2)}"
+    answered = f"{_any_marker(rng, words)}{_capital(things)} {_some(rng, words, 1, 2)} {{value}}: "
+    chain = ChainForm(f" {prefix}{{name}} {op} {{value}}{chain_end}", f" {prefix}{{name}} {op} {{prev}}{chain_end}",
+                      f"{asked} {{value}}{end}{answered}")
+    return needle, phrasing, chain
+
+
+_ONSETS = tuple("bdfghjklmnprstvwz") + ("br", "dr", "fl", "gr", "kr", "pl", "sk", "sl", "sn", "tr", "vr", "zh")
+_NUCLEI = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou", "ei", "oa")
+_CODAS = ("", "", "", "n", "r", "s", "l", "k", "t", "x")
+_FOREIGN_ONSETS = ("zh", "vr", "dz", "kx", "xr", "qv", "zv", "tk")
+_KEY_SEPARATORS = ("/", "-", "_", ".", ":", "+", "~", "#", "", "@", "|", "=")
+
+
+def made_up_word(rng: random.Random) -> str:
+    """One to three syllables of a consonant onset, a vowel and perhaps a final consonant, one of the onsets a cluster
+    that English words do not start a syllable with: short or long, and no word of any vocabulary."""
+    syllables = [rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))]
+    at = rng.randrange(len(syllables))
+    syllables[at] = rng.choice(_FOREIGN_ONSETS) + syllables[at].lstrip("bdfghjklmnprstvwz")
+    return "".join(syllables)
+
+
+def _cased(rng: random.Random, text: str) -> str:
+    return rng.choice((text, text, text.upper(), text.title(), _capital(text)))
+
+
+def any_key(rng: random.Random) -> str:
+    """A key of any shape: one to three made-up words joined by any separator, in any case, with or without digits
+    (before, after or between them)."""
+    parts = [_cased(rng, made_up_word(rng)) for _ in range(rng.choice((1, 2, 2, 3)))]
+    if rng.random() < 0.5:
+        digits = str(rng.randrange(10 ** rng.randint(1, 3), 10 ** rng.randint(4, 5)))
+        parts.insert(rng.randrange(len(parts) + 1), digits)
+    return rng.choice(_KEY_SEPARATORS).join(parts)
+
+
+def any_name(rng: random.Random) -> str:
+    """A variable's name of any shape: a made-up word in any case, with or without a number after a separator."""
+    word = _cased(rng, made_up_word(rng))
+    return word if rng.random() < 0.4 else word + rng.choice(("", "", "_", ".", "-")) + str(rng.randrange(1, 1000))
+
+
+def arbitrary_or_composed(rng: random.Random, corpus_file: str | None = None) -> tuple[NeedleForm, Phrasing, ChainForm]:
+    """Three samples in four of any words (arbitrary_forms), the fourth from COMPOSED's pools."""
+    return (arbitrary_forms if rng.random() < 0.75 else compose_forms)(rng, corpus_file)
+
+
+# half the keys and names of any shape (any_key, any_name), half COMPOSED's vocabularies
+ARBITRARY = Templates(
+    "arbitrary", VARIED.needles, VARIED.phrasings, keys=COMPOSED.keys + (any_key,) * len(COMPOSED.keys),
+    chains=VARIED.chains, names=COMPOSED.names + (any_name,) * len(COMPOSED.names), haystack=load_corpus,
+    tasks=(*TASKS, MULTITURN), compose=arbitrary_or_composed, composed_share=0.9)
+
+TRAINING_TEMPLATES = {t.name: t for t in (RULER, VARIED, COMPOSED, ARBITRARY)}

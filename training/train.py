@@ -4,9 +4,9 @@ A Llama-architecture decoder (RoPE theta 500K, GQA 3 query heads per KV head, RM
 vocabulary, trained on one GPU with a length curriculum up to 16K tokens. Each step holds the same number of tokens:
 rows of plain text (language-model loss on every token) and of the synthetic tasks of training/data.py
 (language-model loss on the haystack, weighted down, plus the loss on the answer tokens), in the words of
---templates (training/templates.py: composed by default, most samples' forms made anew from word pools; varied, a
-few hand-written ones; ruler, the one form the first shipped model saw). Optionally, the
-terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
+--templates (training/templates.py: arbitrary by default, most samples' forms made anew of any of the corpus's
+words; composed, of word pools; varied, a few hand-written ones; ruler, the one form the first shipped model saw).
+Optionally, the terms of training/objectives.py, all off for the shipped model's first run: a key low-rank regulariser
 (--key-rank-weight), a landmark divergence (--landmark-weight), a rank attention divergence
 (--rank-attention-weight) and a rank logit error (--rank-logit-weight); --key-proj-rank trains each k_proj as a
 product of that rank (saved merged), so the pre-RoPE keys have that rank whatever the input. The log reports
@@ -46,7 +46,7 @@ TEXT_SHARE = 0.25  # share of rows that are plain text
 LM_WEIGHT = 0.3  # weight of the language-model loss against the answer loss
 EVAL_CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 MULTITURN_MIN_LENGTH = 2048
-TASK_DRAWS = 8
+TASK_DRAWS = 32  # arbitrary forms with long keys often leave a 512-token row no room
 TASK_DRAW_STRIDE = 1_000_003  # another draw's seed, far from every row's own
 
 
@@ -221,10 +221,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", default="benchmarks/results/train_small_model.json", help="dense scores (JSON)")
     parser.add_argument("--corpus-file", default=None, help="frozen haystack text (training.data --write-corpus)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--templates", default="composed", choices=sorted(TRAINING_TEMPLATES),
-                        help="the task rows' words (training/templates.py): composed, most samples' needle forms, "
-                             "phrasings and chain forms made anew from word pools, and a multi-turn task; varied, a few "
-                             "hand-written ones; ruler, the one form the first shipped model was trained on")
+    parser.add_argument("--templates", default="arbitrary", choices=sorted(TRAINING_TEMPLATES),
+                        help="the task rows' words (training/templates.py): arbitrary, most samples' needle forms, "
+                             "phrasings and chain forms made anew of any of the corpus's words, and a multi-turn task; "
+                             "composed, made anew from word pools; varied, a few hand-written ones; ruler, the one "
+                             "form the first shipped model was trained on")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--tokens-per-step", type=int, default=65536)
     parser.add_argument("--max-context", type=int, default=CURRICULUM[-1][0], help="drop longer curriculum stages")
