@@ -5,8 +5,8 @@ dim 128), 16-token pages in a shuffled block table, every sequence `--context` k
 Variants (VARIANTS): the bf16 pool; the fp8 pool with one scale per token and KV head, stored (Hkv, rows) as the
 dense cache stores them. The fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots) were measured
 and removed: docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json.
-Each variant's launches: block_n x programs per SM at num_warps 4 and Triton's default num_stages, then num_warps x
-num_stages at its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
+Each variant's launches: block_n x programs per SM x num_warps at Triton's default num_stages, then num_stages at its
+best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
 pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most TOLERANCE;
 rel_err: the difference's norm over the reference's; err_vs_bf16: max_err against the bf16 pool's reference, what
 the output loses to fp8 in all; a failure ends the run: SystemExit with the error), then timed (median,
@@ -149,13 +149,13 @@ def sweep(args, device: str, dtype: torch.dtype, save) -> list[dict]:
         pools = Pools(args, batch, device, dtype)
         for variant in args.variants:
             expected = pools.reference(variant, min(args.check_seqs, batch))
-            measured = [_measure(pools, variant, expected, args, block_n, per_sm, 4, None)
-                        for block_n in args.block_n for per_sm in args.per_sm]
+            measured = [_measure(pools, variant, expected, args, block_n, per_sm, warps, None)
+                        for block_n in args.block_n for per_sm in args.per_sm for warps in args.num_warps]
             timed = [r for r in measured if "ms" in r]
             if timed:
                 best = min(timed, key=lambda r: r["ms"])
-                measured += [_measure(pools, variant, expected, args, best["block_n"], best["per_sm"], warps, stages)
-                             for warps in args.num_warps for stages in args.num_stages]
+                measured += [_measure(pools, variant, expected, args, best["block_n"], best["per_sm"],
+                                      best["num_warps"], stages) for stages in args.num_stages]
             rows += measured
             save(rows)
             done = [r for r in measured if "ms" in r]
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--num-stages", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--check-seqs", type=int, default=2, help="sequences checked against the reference")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
