@@ -21,12 +21,12 @@ from training.corpus import freeze, load_corpus, read_ascii
 from training.templates import MULTITURN, TASKS, ChainForm, NeedleForm, Phrasing, Templates
 
 CITIES = ("accra bergen cairo dakar dublin hanoi havana kyoto lagos lima lisbon manila minsk nairobi osaka oslo "
-          "porto quito riga rome seoul sofia tbilisi tunis vienna warsaw yerevan zagreb").split()
+          "porto quito riga rome seoul sofia tbilisi tunis vienna windhoek yerevan zagreb").split()
 INSTRUMENTS = ("banjo bassoon bugle cello clarinet cornet cymbal dulcimer fiddle flute gong guitar harp kazoo lute "
                "lyre mandolin oboe organ piano piccolo sitar tuba ukulele viola zither").split()
 MINERALS = ("basalt beryl calcite cobalt copper feldspar galena gneiss granite gypsum jade jasper marble mica "
             "nickel obsidian onyx pyrite schist slate talc topaz zinc zircon").split()
-GREEK = "alpha beta gamma epsilon zeta eta theta iota kappa lambda sigma omega".split()
+STARS = "orion lyra draco vega rigel sirius altair pollux castor mizar spica antares".split()
 _SOURCE_CAP = 3_000_000  # bytes taken from each of the two sources
 _SHARED_LINE = 40  # a held-out paragraph with a line this long that training's corpus also has is dropped
 
@@ -39,8 +39,8 @@ def mineral_key(rng: random.Random) -> str:
     return f"{rng.choice(MINERALS).upper()}{rng.randrange(100, 1000)}{rng.choice(MINERALS)}"
 
 
-def greek_name(rng: random.Random) -> str:
-    return f"{rng.choice(GREEK)}{rng.randrange(10, 100)}"
+def star_name(rng: random.Random) -> str:
+    return f"{rng.choice(STARS)}{rng.randrange(10, 100)}"
 
 
 def haystack(split: str, source_file: str | None = None) -> str:
@@ -72,7 +72,7 @@ HELDOUT = Templates(
     keys=(city_instrument_key, mineral_key),
     chains=(ChainForm(" SET {name} TO {value}. ", " SET {name} TO {prev}. ",
                       "\n### Request\nName every register holding {value}.\n### Reply\nRegisters holding {value}: "),),
-    names=(greek_name,),
+    names=(star_name,),
     haystack=haystack,
     tasks=(*TASKS, MULTITURN))
 

@@ -22,7 +22,8 @@ import random
 from dataclasses import dataclass
 
 from training.corpus import load_corpus, write_corpus
-from training.templates import MULTITURN, RULER, TASKS, ChainForm, NeedleForm, Phrasing, Templates, number
+from training.templates import (MULTITURN, RULER, TASKS, ChainForm, NeedleForm, Phrasing, Templates, number,
+                                with_corpus)
 
 BOS, EOS = 256, 257
 TRAIN_SEED_BASE = 1_000_000_000  # training seeds are >= this, evaluation seeds below it
@@ -83,7 +84,8 @@ class _Words:
             return cls(rng.choice(templates.needles), rng.choice(templates.phrasings), rng.choice(templates.keys),
                        rng.choice(templates.chains), rng.choice(templates.names))
         form, phrasing, chain = templates.forms(rng, corpus_file)
-        return cls(form, phrasing, rng.choice(templates.keys), chain, rng.choice(templates.names))
+        return cls(form, phrasing, with_corpus(rng.choice(templates.keys), corpus_file), chain,
+                   with_corpus(rng.choice(templates.names), corpus_file))
 
     def needle(self, key: str, value: str) -> str:
         return self.form.needle.format(key=key, value=value)

@@ -346,20 +346,32 @@ def _cased(rng: random.Random, text: str) -> str:
     return rng.choice((text, text, text.upper(), text.title(), _capital(text)))
 
 
-def any_key(rng: random.Random) -> str:
-    """A key of any shape: one to three made-up words joined by any separator, in any case, with or without digits
-    (before, after or between them)."""
-    parts = [_cased(rng, made_up_word(rng)) for _ in range(rng.choice((1, 2, 2, 3)))]
+def _key_word(rng: random.Random, words: tuple[str, ...], real: bool) -> str:
+    return _cased(rng, rng.choice(words) if real else made_up_word(rng))
+
+
+def any_key(rng: random.Random, words: tuple[str, ...] = ()) -> str:
+    """A key of any shape: one to three words joined by any separator, in any case, with or without digits (before,
+    after or between them). Given `words` (the corpus's: with_corpus), half the keys are of those plain words, so
+    that no look of its words marks a key; the rest, and all without them, of made-up words."""
+    real = bool(words) and rng.random() < 0.5
+    parts = [_key_word(rng, words, real) for _ in range(rng.choice((1, 2, 2, 3)))]
     if rng.random() < 0.5:
         digits = str(rng.randrange(10 ** rng.randint(1, 3), 10 ** rng.randint(4, 5)))
         parts.insert(rng.randrange(len(parts) + 1), digits)
     return rng.choice(_KEY_SEPARATORS).join(parts)
 
 
-def any_name(rng: random.Random) -> str:
-    """A variable's name of any shape: a made-up word in any case, with or without a number after a separator."""
-    word = _cased(rng, made_up_word(rng))
+def any_name(rng: random.Random, words: tuple[str, ...] = ()) -> str:
+    """A variable's name of any shape: a word in any case (half of them the corpus's plain words where `words` are
+    given, else made up), with or without a number after a separator."""
+    word = _key_word(rng, words, bool(words) and rng.random() < 0.5)
     return word if rng.random() < 0.4 else word + rng.choice(("", "", "_", ".", "-")) + str(rng.randrange(1, 1000))
+
+
+def with_corpus(make: Callable[[random.Random], str], corpus_file: str | None) -> Callable[[random.Random], str]:
+    """A key or name maker as a sample draws it: any_key and any_name take the corpus's words too."""
+    return partial(make, words=corpus_words(corpus_file)) if make in (any_key, any_name) else make
 
 
 def arbitrary_or_composed(rng: random.Random, corpus_file: str | None = None) -> tuple[NeedleForm, Phrasing, ChainForm]:
