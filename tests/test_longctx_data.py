@@ -5,7 +5,7 @@ import re
 import pytest
 
 from training.data import BOS, TASKS, TRAIN_SEED_BASE, make_sample, score, text_stream
-from training.templates import ARBITRARY, COMPOSED, MULTITURN, any_key, any_name, corpus_words
+from training.templates import ARBITRARY, COMPOSED, MULTITURN, any_key, any_name, corpus_words, with_corpus
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -134,3 +134,19 @@ def test_any_key_and_name_take_many_shapes():
         assert 0.2 * len(made) < with_digits < 0.8 * len(made)
         assert any(k.isupper() for k in made) and any(k.islower() for k in made)
         assert any(k[0].isupper() and not k.isupper() for k in made)
+
+
+def test_keys_and_names_as_samples_draw_them_are_half_plain_corpus_words():
+    """with_corpus gives any_key and any_name the corpus's words: about half their keys and names are made of those
+    plain words only, the rest of made-up words (of which a short one is now and then a corpus word too); other
+    makers pass unchanged."""
+    vocabulary = set(corpus_words(None))
+    rng = random.Random(1)
+    for make in (with_corpus(any_key, None), with_corpus(any_name, None)):
+        plain = mixed = 0
+        for _ in range(400):
+            known = [w.lower() in vocabulary for w in re.findall(r"[A-Za-z]+", make(rng))]
+            plain += all(known)
+            mixed += any(known) and not all(known)
+        assert 0.35 * 400 < plain < 0.65 * 400 and mixed < 0.02 * 400
+    assert with_corpus(COMPOSED.keys[0], None) is COMPOSED.keys[0]
