@@ -10,6 +10,8 @@ budgets as fractions of the context. At the same budget: Quest selects chunks by
 (shadowkv_core/shadowkv/quest.py), by default with the keys at full rank so the chunks it picks are exact, as Quest
 reads them (--quest-rank-share puts it on ShadowKV's low-rank keys); streamingllm keeps the attention sinks and the
 newest chunks, snapkv the chunks the prompt's last window attends to most (shadowkv_core/shadowkv/baselines.py).
+chunk_oracle is ShadowKV (its rank, outliers, local chunks and budget) with each chunk scored by the largest logit any
+of its exact keys gets: no method a server could run (it keeps every key), the ceiling of choosing chunks by keys.
 shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head); shadowkv_fp8lm has its
 landmarks in fp8 as well (ShadowKVConfig.landmark_format); shadowkv_timed is the configuration the throughput
 benchmark times: the engine's defaults on the device (Triton kernels, CUDA graphs, async and pipelined decode on
@@ -37,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy_runs import (CACHED, DENSE, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build, conversation,
-                                      generate, longgen_parts)
+from benchmarks.accuracy_runs import (CACHED, DENSE, DIAGNOSTIC, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
+                                      conversation, generate, longgen_parts)
 from benchmarks.accuracy_stats import cell_interval, combined, fmt, row_interval
 from benchmarks.heldout import HELDOUT
 from training.data import make_sample, score
@@ -211,9 +213,10 @@ def main() -> None:
                              "--write-corpus for varied and ruler); default: read this machine's")
     parser.add_argument("--longgen-tokens", type=int, default=LONGGEN_TOKENS,
                         help="niah_longgen: tokens decoded between the needle's prompt and its question")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DIAGNOSTIC], choices=METHODS,
                         help=f"{', '.join(CACHED)}: {MULTITURN} only, every turn on one engine and its prefix cache "
-                             "(their cells of other tasks are skipped, with a note)")
+                             f"(their cells of other tasks are skipped, with a note); {', '.join(DIAGNOSTIC)}: only "
+                             "when named")
     parser.add_argument("--rank-share", type=float, default=RANK_SHARE, help="ShadowKV's rank / (kv_heads*head_dim)")
     parser.add_argument("--quest-rank-share", type=float, default=1.0,
                         help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")

@@ -24,7 +24,7 @@ from pathlib import Path
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.memory_model import GIB, load_geometry, seq_bytes
 from shadowkv_core.models.loader import read_config
-from shadowkv_core.shadowkv.baselines import SnapKVScorer, StreamingScorer
+from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.quest import QuestScorer
 from training.data import EOS, Sample, score
 from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
@@ -38,14 +38,16 @@ LONGGEN_TOKENS = 2048
 TIMED_DEVICE_VALUE_SHARE = 0.375  # the timed configuration's device tier (docs/benchmarks.md's headline)
 
 DENSE = ("dense", "dense_fp8", "dense_prefix")  # full attention: no budget
-SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer}
+SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer,
+           "chunk_oracle": ChunkOracleScorer}
 EVICTION = ("streamingllm", "snapkv")
 # a conversation's turns on one engine, served from its prefix cache: the method each runs as
 CACHED = {"shadowkv_prefix": "shadowkv", "dense_prefix": "dense"}
 # fp8 values; fp8 landmarks as well; the timed configuration (kernels, CUDA graphs, async and pipelined decode where
 # the device has them, fp8 values, the device tier)
 METHODS = (*DENSE, "shadowkv", "shadowkv_prefix", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm",
-           "shadowkv_timed")
+           "shadowkv_timed", "chunk_oracle")
+DIAGNOSTIC = ("chunk_oracle",)  # run only when named: a ceiling, not a method
 # what conversation() records of the engine's prefix cache each turn: its field -> the cache's stat
 PREFIX_STATS = {"hit_tokens": "prefix_hit_tokens", "query_tokens": "prefix_query_tokens",
                 "evictions": "prefix_evictions"}

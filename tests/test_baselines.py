@@ -1,4 +1,4 @@
-"""The eviction baselines (shadowkv/baselines.py) on hand-checkable cases, and every selection policy in the cache:
+"""The eviction baselines and the chunk oracle (shadowkv/baselines.py) on hand-checkable cases, and every selection policy in the cache:
 at a budget that takes every chunk and full rank each equals dense attention, through folds of the decode window;
 at a small budget each keeps the chunks it says it keeps."""
 import math
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
-from shadowkv_core.shadowkv.baselines import SnapKVScorer, StreamingScorer, snapkv_votes, streaming_scores
+from shadowkv_core.shadowkv.baselines import (ChunkOracleScorer, SnapKVScorer, StreamingScorer, max_logit_scores,
+                                              snapkv_votes, streaming_scores)
 from shadowkv_core.shadowkv.quest import QuestScorer
 from shadowkv_core.shadowkv.reference import select_chunks
 from shadowkv_core.tiny_model import build_tiny_model
@@ -44,13 +45,26 @@ def test_snapkv_votes_equal_a_brute_force_with_gqa():
     torch.testing.assert_close(votes, brute[:, :32].view(Hkv, 8, C).sum(-1))
 
 
+def test_max_logit_scores_equal_a_brute_force_with_gqa():
+    gen = torch.Generator().manual_seed(1)
+    n, C, Hq, Hkv, d = 5, 4, 6, 2, 8
+    q, keys = torch.randn(Hq, d, generator=gen), torch.randn(n, C, Hkv, d, generator=gen)
+    excluded = torch.zeros(Hkv, n, dtype=torch.bool)
+    excluded[0, 3] = True
+    got = max_logit_scores(q, keys, excluded, scale=0.5)
+    for h in range(Hkv):
+        for c in range(n):
+            best = max(float(keys[c, t, h] @ q[g] * 0.5) for t in range(C) for g in range(h * 3, h * 3 + 3))
+            assert got[h, c].item() == (-math.inf if (h, c) == (0, 3) else pytest.approx(best, rel=1e-5))
+
+
 def _config(budget: int) -> ShadowKVConfig:
     # rank 32 = 2 KV heads x 16: exact keys; a window of 16 folds every 8 generated tokens
     return ShadowKVConfig(rank=32, chunk_size=8, sparse_budget=budget, outlier_chunks=0, local_chunks=2,
                           min_context=0, decode_window=16)
 
 
-@pytest.mark.parametrize("scorer", [QuestScorer, StreamingScorer, SnapKVScorer])
+@pytest.mark.parametrize("scorer", [QuestScorer, StreamingScorer, SnapKVScorer, ChunkOracleScorer])
 def test_every_policy_at_full_budget_equals_dense_through_folds(tmp_path, scorer):
     model = str(build_tiny_model(tmp_path / "tiny"))
     prompt, params = list(range(40, 240)), SamplingParams(max_tokens=40, temperature=0)
@@ -62,7 +76,7 @@ def test_every_policy_at_full_budget_equals_dense_through_folds(tmp_path, scorer
     assert state.counts.stats()["hit_rate"] > 0  # the sparse path ran
 
 
-@pytest.mark.parametrize("scorer", [QuestScorer, SnapKVScorer])
+@pytest.mark.parametrize("scorer", [QuestScorer, SnapKVScorer, ChunkOracleScorer])
 def test_a_prompt_with_no_shadow_chunks_folds_into_a_policy_that_kept_nothing(tmp_path, scorer):
     """A prompt that fits its window leaves the shadow empty at prefill; the policy still starts the sequence (an
     empty record), so the first fold extends that and not another sequence's, and nothing is missing."""

@@ -1,4 +1,5 @@
-"""Two eviction baselines as selection policies of the shadow (`ShadowKVCache.chunk_scorer`), as quest.py is one.
+"""Two eviction baselines and an oracle as selection policies of the shadow (`ShadowKVCache.chunk_scorer`), as quest.py
+is one.
 
 - StreamingLLM (Xiao et al., ICLR 2024): the attention sinks, the first `sink_chunks` chunks, and the most recent
   chunks; its window of recent tokens continues into the cache's exact window.
@@ -6,8 +7,11 @@
   Per KV head, each key's votes are its attention summed over the window's queries and averaged over the GQA group;
   a chunk's score is the sum of its keys' votes (the paper pools votes over neighbouring tokens: here the chunk).
   Chunks that generation folds into the shadow are never chosen: the choice is the prompt's, as in the paper.
+- The chunk oracle: each chunk scored by the largest logit any of its keys gets from the query, max over the GQA
+  group. It keeps every key of the prompt, so it is no method a server could run: it is what the best choice of
+  chunks by their keys would keep, the ceiling a landmark or a bound is measured against.
 
-Both pick from the shadow's chunks, so the budget counts what ShadowKV's counts. The chunks they pick are loaded and
+All pick from the shadow's chunks, so the budget counts what ShadowKV's counts. The chunks they pick are loaded and
 attended as ShadowKV's own are; benchmarks/accuracy.py runs them without outlier chunks and with the outliers' tokens
 added to their budget, so that every method attends as many tokens.
 
@@ -85,3 +89,34 @@ class SnapKVScorer:
         votes = self.votes[(st.slot, layer)]  # (Hkv, n_prompt)
         folded = votes.new_full((votes.shape[0], st.num_shadow - votes.shape[1]), float("-inf"))
         return torch.cat([votes, folded], 1).masked_fill(excluded, float("-inf"))
+
+
+def max_logit_scores(q: torch.Tensor, keys: torch.Tensor, excluded: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each chunk's largest logit. q (Hq, d), keys (n, C, Hkv, d), excluded (Hkv, n) bool -> (Hkv, n) fp32: per query
+    head the max over the chunk's keys of q·k·scale, then the max over each GQA group; excluded at -inf."""
+    Hq, d = q.shape
+    Hkv = keys.shape[2]
+    logits = torch.einsum("hgd,nchd->hgnc", q.float().view(Hkv, Hq // Hkv, d), keys.float()) * scale
+    return logits.amax(-1).amax(1).masked_fill(excluded, float("-inf"))
+
+
+class ChunkOracleScorer:
+    """The chunk oracle: every shadow chunk's post-RoPE keys, kept per (slot, layer) at prefill and fold."""
+
+    def __init__(self):
+        self.keys: dict[tuple[int, int], torch.Tensor] = {}  # (slot, layer) -> (n, C, Hkv, d)
+
+    def prefill(self, layer: int, st: SequenceState, q: torch.Tensor, k_rot: torch.Tensor, chunk_size: int,
+                scale: float) -> None:
+        """k_rot (P, Hkv, d): the whole prompt's; its first st.num_shadow chunks are the shadow's."""
+        self.keys[(st.slot, layer)] = k_rot[:st.num_shadow * chunk_size].unflatten(0, (st.num_shadow, chunk_size))
+
+    def fold(self, st: SequenceState, k_rot: torch.Tensor, chunk_size: int) -> None:
+        """k_rot (L, h, Hkv, d): the window's folded tokens, every layer."""
+        for layer in range(k_rot.shape[0]):
+            folded = k_rot[layer].unflatten(0, (-1, chunk_size))
+            self.keys[(st.slot, layer)] = torch.cat([self.keys[(st.slot, layer)], folded])
+
+    def scores(self, layer: int, st: SequenceState, q: torch.Tensor, excluded: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return max_logit_scores(q, self.keys[(st.slot, layer)], excluded, scale)
