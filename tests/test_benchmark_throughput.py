@@ -55,7 +55,10 @@ def test_script_writes_rows_summary_and_plot(run):
     assert all(0 <= r["hit_rate"] <= 1 and r["peak_host_gib"] > 0 for r in rows if r["method"] == "shadowkv")
     assert "QKV" in next(r for r in rows if r["method"] == "dense" and "breakdown_ms" in r)["breakdown_ms"]
     summary = saved["summary"][0]
-    assert summary["dense_fp8_batch"] >= summary["dense_batch"]  # fp8 blocks: at least the dense batch fits
+    # fp8 blocks: at least the dense batch fits (the largest batch each ran; the summary's is its fastest row's, which
+    # a loaded CPU may put at any batch)
+    largest = {m: max(r["batch"] for r in rows if r["method"] == m) for m in ("dense", "dense_fp8")}
+    assert largest["dense_fp8"] >= largest["dense"]
     assert summary["dense_method"] == max(("dense", "dense_fp8"), key=lambda m: summary[f"{m}_tok_s"])
     assert {"shadowkv_over_dense", "shadowkv_over_hf", "prefill_overhead", "dense_x_roofline",
             "shadowkv_fp8_over_dense", "fp8_batch_over_bf16", "shadowkv_graph_speedup_at_3"} <= set(summary)
