@@ -1,6 +1,6 @@
-"""The eviction baselines and the chunk oracle (shadowkv/baselines.py) on hand-checkable cases, and every selection policy in the cache:
-at a budget that takes every chunk and full rank each equals dense attention, through folds of the decode window;
-at a small budget each keeps the chunks it says it keeps."""
+"""The eviction baselines and the chunk oracle (shadowkv/baselines.py) on hand-checkable cases, and every selection
+policy in the cache: at a budget that takes every chunk and full rank each equals dense attention, through folds of
+the decode window; at a small budget each keeps the chunks it says it keeps."""
 import math
 
 import pytest

@@ -5,9 +5,9 @@ Four sets live here, all training's: RULER, the one form the tasks began with (t
 alone, and evaluation seeds of it reproduce the earlier samples exactly); VARIED, a few hand-written forms of each
 kind; COMPOSED, which makes most samples' forms anew from word pools (openings, relations, nouns, question leads,
 askings, answer leads; more key and name shapes too); and ARBITRARY, whose forms are mostly made of any of the
-corpus's words and half its keys and variable names of any shape of made-up words, so that no word marks a fact or
-a question and no shape marks a key: what the model should learn is to find the fact a
-question names and copy it, not one form's words (docs/accuracy.md says how far that has got). The
+corpus's words and half its keys and variable names of any shape, of the corpus's plain words or of made-up ones, so
+that no word marks a fact or a question and no shape or look marks a key: what the model should learn is to find
+the fact a question names and copy it, not one form's words (docs/accuracy.md says how far that has got). The
 evaluation's held-out set is not here: it is benchmarks/heldout.py's, which nothing under training/ imports.
 """
 from __future__ import annotations
@@ -335,7 +335,8 @@ _KEY_SEPARATORS = ("/", "-", "_", ".", ":", "+", "~", "#", "", "@", "|", "=")
 
 def made_up_word(rng: random.Random) -> str:
     """One to three syllables of a consonant onset, a vowel and perhaps a final consonant, one of the onsets a cluster
-    that English words do not start a syllable with: short or long, and no word of any vocabulary."""
+    that English words do not start a syllable with: short or long, and seldom a word of any vocabulary (a short one
+    now and then is a name the corpus has; tests/test_heldout.py checks none is a held-out word)."""
     syllables = [rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))]
     at = rng.randrange(len(syllables))
     syllables[at] = rng.choice(_FOREIGN_ONSETS) + syllables[at].lstrip("bdfghjklmnprstvwz")
