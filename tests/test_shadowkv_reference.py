@@ -39,10 +39,11 @@ def test_factorize_full_rank_reconstructs():
     torch.testing.assert_close(rebuilt, k_pre, atol=2e-5, rtol=1e-5)
 
 
-def test_factorize_low_rank_is_the_best_rank_r_approximation():
+def test_factorize_exactly_is_the_best_rank_r_approximation():
+    """iters None (eigh): the best rank-r approximation; the default's distance from it: the subspace iteration test."""
     torch.manual_seed(0)
     k_pre = torch.randn(300, 2, 8) @ torch.randn(8, 8)  # (S, Hkv, d)
-    u, sv = factorize_keys(k_pre, rank=5)
+    u, sv = factorize_keys(k_pre, rank=5, iters=None)
     k_cat = k_pre.reshape(300, 16)
     rebuilt = torch.einsum("sr,hrd->shd", u, sv).reshape(300, 16)
     uu, s, vh = torch.linalg.svd(k_cat, full_matrices=False)
@@ -189,6 +190,19 @@ def test_factorize_by_subspace_iteration_is_near_the_best_rank_r(rank):
     basis = sv.transpose(0, 1).reshape(rank, -1)  # (r, Hkv*d)
     torch.testing.assert_close(basis @ basis.T, torch.eye(rank), atol=1e-5, rtol=0)
     torch.testing.assert_close(project_keys(k_pre, sv), u, atol=1e-4, rtol=1e-4)
+
+
+def test_factorize_by_default_never_calls_eigh(monkeypatch):
+    """The default factorisation keeps no oversampled columns, so it needs no Rayleigh-Ritz eigh (whose status check
+    would make the host wait for the device on CUDA); the exact one (iters None) is eigh."""
+    k_pre = _decaying_keys(500, 2, 64, seed=1)
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **kw: calls.append(1) or eigh(*a, **kw))
+    factorize_keys(k_pre, 20)
+    assert calls == []
+    factorize_keys(k_pre, 20, iters=None)
+    assert calls == [1]
 
 
 def test_factorize_without_iterations_is_worse():

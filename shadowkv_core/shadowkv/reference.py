@@ -13,7 +13,7 @@ import torch
 from shadowkv_core.attention import attention_ref
 
 
-SUBSPACE_ITERS = 2  # factorize_keys' subspace iterations on KᵀK (each two passes over the keys)
+SUBSPACE_ITERS = 12  # factorize_keys' subspace iterations on KᵀK, a (Hkv·d)² matrix: none reads the keys again
 
 
 def factorize_keys(k_pre: torch.Tensor, rank: int,
@@ -23,12 +23,13 @@ def factorize_keys(k_pre: torch.Tensor, rank: int,
     k_pre (S, Hkv, d) -> U (S, r) fp32, SV (Hkv, r, d) fp32, with k_pre[:, h] ~= U @ SV[h].
     K_cat (S, Hkv*d) = U V_rᵀ where V_r (Hkv*d, r) is an orthonormal basis of the top-r eigen-directions of
     K_catᵀ K_cat (the right singular vectors' span, without an SVD): top_subspace, by `iters` steps of subspace
-    iteration (randomized, as the ShadowKV authors' low-rank SVD; a full eigh of the (Hkv*d)² Gram matrix is the
-    slowest step of a prefill's factorisation) or exactly by eigh with iters None. U = K_cat V_r. At r = Hkv*d the basis is the whole
-    space and the rebuild exact."""
+    iteration without oversampling (randomized, as the ShadowKV authors' low-rank SVD; no eigh, so nothing waits for
+    the device), or exactly by eigh with iters None. U = K_cat V_r. At r = Hkv*d the basis is the whole space and
+    the rebuild exact."""
     S, Hkv, d = k_pre.shape
     k_cat = k_pre.reshape(S, Hkv * d).float()  # (S, Hkv*d)
-    v_r = top_subspace((k_cat.T @ k_cat)[None], rank, None if rank >= Hkv * d else iters)[0]  # (Hkv*d, r)
+    exact = iters is None or rank >= Hkv * d
+    v_r = top_subspace((k_cat.T @ k_cat)[None], rank, None if exact else iters, oversample=0)[0]  # (Hkv*d, r)
     u = k_cat @ v_r  # (S, r)
     sv = v_r.T.reshape(rank, Hkv, d).transpose(0, 1).contiguous()  # (Hkv, r, d)
     return u, sv
@@ -40,7 +41,9 @@ def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversa
     iters None: torch.linalg.eigh, exact (on CUDA it loops over the batch for W > 32: slow for training).
     iters n: n steps of subspace iteration from a fixed random start of rank+oversample columns, re-orthonormalised by
     Cholesky QR in fp64, then Rayleigh-Ritz (an eigh of (rank+oversample)² matrices, batched on CUDA up to 32):
-    batched matrix products only, deterministic."""
+    batched matrix products only, deterministic. With no oversampling Rayleigh-Ritz would only rotate the basis
+    within its span: it is skipped, and nothing waits for the device (torch's eigh checks the solver's status on the
+    host); the columns are then an orthonormal basis of the span, not its eigenvectors."""
     if iters is None:
         return torch.linalg.eigh(gram)[1][..., -rank:]  # ascending eigenvalues
     B, W, _ = gram.shape
@@ -49,6 +52,8 @@ def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversa
     q = _orthonormal(g @ _random_start(W, p, g.device))
     for _ in range(iters):
         q = _orthonormal(g @ q)
+    if p == rank:
+        return q.to(gram.dtype)
     ritz = torch.linalg.eigh(q.transpose(1, 2) @ g @ q)[1][..., -rank:]  # (B, p, rank)
     return (q @ ritz).to(gram.dtype)
 
