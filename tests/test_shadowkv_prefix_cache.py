@@ -363,7 +363,7 @@ def test_a_suffix_prefill_on_cuda_queues_its_layers_without_a_host_sync(tiny_pat
 
     def strict(method):
         def run(layer, q, k_pre, k_rot, v, meta):
-            if not any(meta.context_lens):  # a cold prefill factorises its keys: eigh waits for the device
+            if not any(meta.context_lens):  # a cold prefill at full rank factorises by eigh: it waits for its stream
                 return method(layer, q, k_pre, k_rot, v, meta)
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -379,6 +379,29 @@ def test_a_suffix_prefill_on_cuda_queues_its_layers_without_a_host_sync(tiny_pat
     llm.generate([doc + tokens(7, 2)], GREEDY)
     llm.generate([doc + tokens(40, 4)], GREEDY)
     assert llm.engine.stats()["prefix_hit_tokens"] == 256 and {"prefill_begin", "prefill_end"} <= set(checked)
+
+
+@pytest.mark.gpu
+def test_a_cold_prefill_on_cuda_factorises_keys_without_waiting_for_the_work_queued_before(tiny_path, monkeypatch):
+    """A cold prefill's key factorisation runs on the cache's build stream, begun with the layer's attention: at full
+    rank it is an eigh, whose status check makes the host wait for that stream alone. Work queued on the current
+    stream before a layer's build, here a sleeping kernel, is still running when prefill_end returns, so the
+    engine's queued prefill slices and decode keep their lead."""
+    llm = engine_llm(tiny_path, device="cuda", host_cache_gib=0.05)
+    cache, still_running = llm.engine.cache.shadow, []
+
+    def behind_a_sleep(method):
+        def run(layer, q, k_pre, k_rot, v, meta):
+            torch.cuda._sleep(2_000_000_000)  # about a second of the current stream
+            slept = torch.cuda.Event()
+            slept.record()
+            method(layer, q, k_pre, k_rot, v, meta)
+            still_running.append(not slept.query())
+        return run
+
+    monkeypatch.setattr(cache, "prefill_end", behind_a_sleep(cache.prefill_end))
+    llm.generate([tokens(300, 10)], GREEDY)
+    assert still_running == [True] * llm.engine.model.spec.num_layers
 
 
 def test_a_suffix_prefill_sliced_over_many_steps_beside_decodes_gives_the_cold_tokens(tiny_path, cold, monkeypatch):

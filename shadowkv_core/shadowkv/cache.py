@@ -23,7 +23,7 @@ from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.manager import SequenceState, ShadowKVManager
 from shadowkv_core.shadowkv.pages import GpuPages
 from shadowkv_core.shadowkv.plan import DecodePlan, PageTables
-from shadowkv_core.shadowkv.prefill import build_shadow, prefill_layer, prompt_keys_values
+from shadowkv_core.shadowkv.prefill import build_shadow, prefill_layer, prompt_keys_values, start_factorization
 from shadowkv_core.shadowkv.reference import chunk_landmarks
 from shadowkv_core.shadowkv.slots import Slots
 
@@ -50,6 +50,8 @@ class ShadowKVCache(KVCache):
         # the kernel path's value fetch and key rebuild run on two side streams, joined by events
         self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else None
+        # a cold prefill's key factorisation (prefill.start_factorization), beside the layer's attention slices
+        self.build_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.fetch_shape = fetch_shape(config, self.device)
         self.page_tables = PageTables(self.device)
         self.manager.on_move = self._move_values
@@ -126,10 +128,13 @@ class ShadowKVCache(KVCache):
     def prefill_begin(self, layer, q, k_pre, k_rot, v, meta):
         """Each prompt's keys and values after its adopted prefix's (rebuilt from U rows, SV and RoPE; values from
         the value store, once for all the prompts that read one cached prefix): every attention slice of it sees
-        [prefix | the prompt up to its end]."""
-        shared = {}
+        [prefix | the prompt up to its end]. A cold prompt's key factorisation begins now, beside those slices."""
+        shared, states = {}, self._states(meta)
+        for st, start, n in zip(states, meta.query_starts, meta.query_lens):
+            if not st.cached:
+                st.factors = start_factorization(self, k_pre[start:start + n])
         return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n], shared)
-                for st, start, n in zip(self._states(meta), meta.query_starts, meta.query_lens)]
+                for st, start, n in zip(states, meta.query_starts, meta.query_lens)]
 
     def prefill_attention(self, q, keys, values, whole=True):
         return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention, whole)

@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from shadowkv_core.cache.prefix import ROOT, PrefixIndex, PromptHashes, block_ha
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import device_value_pages
 from shadowkv_core.transfers import to_device
+
+if TYPE_CHECKING:
+    from shadowkv_core.shadowkv.prefill import Factors
 
 
 @dataclass(eq=False)
@@ -81,6 +85,7 @@ class SequenceState:
     cached: int = 0  # leading prompt tokens adopted from the prefix cache (whole pages): never written
     adopted: ShadowRecord | None = None  # their record, until the prefill has copied it into the slot
     record: ShadowRecord | None = None  # its own, once its prefill has run (prefix caching only)
+    factors: Factors | None = None  # the layer's key factorisation under way in a cold prefill (prefill.py)
 
 
 class ShadowKVManager(CacheManager):

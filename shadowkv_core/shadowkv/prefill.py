@@ -7,6 +7,8 @@ in ShadowKVCache.prefill_begin, build_shadow in prefill_end.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.fetch_values import fetch_values
@@ -21,11 +23,48 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
                   v: torch.Tensor) -> torch.Tensor:
     """Exact causal attention over the whole prompt (after its adopted prefix, if any), then the layer's shadow.
     q (S, Hq, d); k_pre, k_rot, v (S, Hkv, d) of the tokens after the prefix -> (S, Hq, d)."""
+    if not st.cached:
+        st.factors = start_factorization(cache, k_pre)
     keys, values = prompt_keys_values(cache, layer, st, k_rot, v)
     out = prefill_attention_ref(q, keys, values, cache.spec.scale, cache.spec.prefill_chunk_tokens,
                                 cache.spec.prefill_attention)
     build_shadow(cache, layer, st, q, k_pre, k_rot, v)
     return out
+
+
+@dataclass
+class Factors:
+    """A layer's key factorisation (factorize_keys' U, SV), and on CUDA the event after which its stream has made
+    them."""
+    u: torch.Tensor
+    sv: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+
+def start_factorization(cache, k_pre: torch.Tensor) -> Factors:
+    """factorize_keys(k_pre, rank) begun: on CUDA on the cache's build stream, after the work queued so far on the
+    current stream (which wrote k_pre), so that it runs beside the layer's attention slices queued next; elsewhere
+    at once. take_factors ends it."""
+    if cache.build_stream is None:
+        return Factors(*factorize_keys(k_pre, cache.config.rank))
+    cache.build_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(cache.build_stream):
+        factors = Factors(*factorize_keys(k_pre, cache.config.rank), torch.cuda.Event())
+        factors.done.record()
+    k_pre.record_stream(cache.build_stream)  # read there: its memory is not reused before that stream is past it
+    return factors
+
+
+def take_factors(st: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence's factorisation under way (start_factorization), handed over: on CUDA the current stream waits
+    for it, and the tensors it made on the build stream are not reused there before this stream is past them."""
+    factors, st.factors = st.factors, None
+    if factors.done is not None:
+        current = torch.cuda.current_stream()
+        current.wait_event(factors.done)
+        for t in (factors.u, factors.sv):
+            t.record_stream(current)
+    return factors.u, factors.sv
 
 
 def prompt_keys_values(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
@@ -54,13 +93,16 @@ def prompt_keys_values(cache, layer: int, st: SequenceState, k_rot: torch.Tensor
 def build_shadow(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
                  v: torch.Tensor) -> None:
     """The layer's shadow of the prompt, once its attention has run (prefill_layer, or the engine's sliced
-    prefill): of the whole prompt, or after an adopted prefix the tokens after it appended (append_suffix). Shapes as
-    in prefill_layer."""
+    prefill): of the whole prompt, its key factorisation the one begun with its attention (st.factors; begun here
+    if none was), or after an adopted prefix the tokens after it appended (append_suffix). Shapes as in
+    prefill_layer."""
     if st.cached:
         append_suffix(cache, layer, st, k_pre, k_rot, v)
         return
     slots, C = cache.slots, cache.config.chunk_size
-    u, sv = factorize_keys(k_pre, cache.config.rank)  # (P, r), (Hkv, r, d)
+    if st.factors is None:
+        st.factors = start_factorization(cache, k_pre)
+    u, sv = take_factors(st)  # (P, r), (Hkv, r, d)
     cache.gpu.write_u(layer, st.gpu_table, 0, u)
     slots.sv[st.slot, layer] = sv.to(slots.sv.dtype)
     slots.resident[st.slot, layer] = -1  # the slot's sparse buffer holds nothing of this sequence yet
