@@ -7,6 +7,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.prefill_attention import HEAD_DIMS, prefill_attention
 from shadowkv_core.config import AUTO
+from shadowkv_core.transfers import to_device
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -74,7 +75,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if implementation == "cudnn":
         return prefill_attention_split(q, k, v, scale, _cudnn_with_lse)
     if implementation == "triton":
-        cu_q, cu_k = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device)
+        cu_q, cu_k = to_device([[0, q.shape[0]], [0, k.shape[0]]], torch.int32, q.device)  # no wait for the stream
         return prefill_attention(q, k, v, cu_q, cu_k, q.shape[0], scale, max_seqlen_k=k.shape[0])
     return attention_ref(q, k, v, scale, causal=True)
 

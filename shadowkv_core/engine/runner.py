@@ -77,9 +77,10 @@ class ModelRunner:
         lens = [seq.prompt_len - c for seq, c in zip(seqs, cached)]
         input_ids = torch.tensor([t for seq, c in zip(seqs, cached) for t in seq.prompt_token_ids[c:]],
                                  dtype=torch.int64)
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, lens)]).to(self.device)
+        positions = to_device(torch.cat([torch.arange(c, c + n) for c, n in zip(cached, lens)]), torch.int64,
+                              self.device)
         meta = AttentionMetadata(True, [s.seq_id for s in seqs], lens, cached, positions)
-        return PrefillJob(seqs, meta, self.model.embed_tokens(input_ids.to(self.device)),
+        return PrefillJob(seqs, meta, self.model.embed_tokens(to_device(input_ids, torch.int64, self.device)),
                           PrefillBudget(self.model.rank_spec))
 
     @torch.inference_mode()
@@ -104,7 +105,7 @@ class ModelRunner:
         job.prompt_logprobs = {i: self._prompt_logprobs(job, i) for i, seq in enumerate(job.seqs)
                                if seq.params.prompt_logprobs is not None}
         last = torch.tensor(job.meta.query_lens).cumsum(0) - 1
-        return self.model.compute_logits(self.model.final_norm(job.hidden[last.to(self.device)]))
+        return self.model.compute_logits(self.model.final_norm(job.hidden[to_device(last, torch.int64, self.device)]))
 
     def _prompt_logprobs(self, job: PrefillJob, i: int) -> torch.Tensor:
         """token_logprobs of job.seqs[i]'s prompt tokens after the first, each from the logits of the position
