@@ -159,6 +159,41 @@ def test_a_long_prefill_spans_many_steps_while_each_decode_gets_a_token_every_st
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", CACHES)
+def test_on_cuda_a_step_queues_prefill_slices_once_the_last_steps_are_done(tiny_path, cache, monkeypatch):
+    """The device holds one step's prefill slices at most: a step queues its slices only after the slices of the step
+    before have run, whatever they were (here each step's slices end in a sleeping kernel), so the step budget is
+    what a decode waits for, and the tokens are the unsliced ones."""
+    llm = make_llm(tiny_path, CACHES[cache], device="cuda", dtype="float32")
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows_of(engine, 16) / 1e12)
+    advance, marks, done_before = engine.runner.advance_prefill, [], []
+
+    def slow_advance(job, flops):
+        done_before.append(all(mark.query() for mark in marks))
+        logits = advance(job, flops)
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds of the device per step
+        mark = torch.cuda.Event()
+        mark.record()
+        marks.append(mark)
+        return logits
+
+    monkeypatch.setattr(engine.runner, "advance_prefill", slow_advance)
+    for i in range(2):
+        engine.add_request(f"d{i}", tokens(12, 30 + i), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    prompt = tokens(120, 22)
+    engine.add_request("p", prompt, GREEDY)
+    outs = []
+    while "p" in engine.requests:
+        outs += [o for o in engine.step() if o.request_id == "p"]
+    assert len(done_before) > 5 and all(done_before)
+    unsliced = make_llm(tiny_path, CACHES[cache], device="cuda", dtype="float32")
+    assert outs[-1].token_ids == unsliced.generate([prompt], GREEDY)[0].token_ids
+
+
 def held_bytes(job) -> int:
     """Bytes of the distinct tensor storages a prefill job holds between steps: its hidden states and what its layer
     generator (and the generators it delegates to) keep."""

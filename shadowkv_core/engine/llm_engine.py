@@ -77,6 +77,7 @@ class LLMEngine:
         self.prefill_job: PrefillJob | None = None
         self.express_job: PrefillJob | None = None  # a short prefill started beside prefill_job (EXPRESS_SHARE)
         self.last_step_prefilled = False  # whether the last step() ran layers of a prefill
+        self._slices_queued: torch.cuda.Event | None = None  # after the last step's prefill slices (_queued_mark)
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         # Seconds per prompt token of the fastest recent prefill run with nothing decoding beside it (next_finish_s)
@@ -212,14 +213,28 @@ class LLMEngine:
             self._prefill_clock = (self._prefill_clock[0], False)
         self.last_step_prefilled = self.prefill_job is not None
         flops = None if not decode or self.config.prefill_step_tflop is None else self.config.prefill_step_tflop * 1e12
-        for job in [j for j in (self.express_job, self.prefill_job) if j is not None]:  # the short one first
+        jobs = [j for j in (self.express_job, self.prefill_job) if j is not None]  # the short one first
+        if jobs and self._slices_queued is not None:
+            self._slices_queued.synchronize()
+        for job in jobs:
             if flops is not None and flops <= 0:
                 break
             outputs += self._run(lambda seqs, job=job: self._advance_prefill(job, flops), job.seqs)
             flops = None if flops is None else job.budget.left
             if job.next_layer == self.runner.num_layers:
                 self._prefill_done(job)
+        self._slices_queued = self._queued_mark() if jobs else None
         return outputs
+
+    def _queued_mark(self) -> torch.cuda.Event | None:
+        """On CUDA, an event after the work queued so far. The next step waits for it before it queues prefill
+        slices, so the device holds one step's slices at most: the step's budget then bounds the decodes' wait, and
+        every step waits for the one before it alone, whatever slices it holds (none of them needs to sync)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _express(self) -> Callable[[int, int], bool] | None:
         """While a prefill is under way and no short one beside it: whether a waiting prompt (tokens cached, tokens
