@@ -21,7 +21,6 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,9 +30,6 @@ from shadowkv_core.cache.prefix import ROOT, PrefixIndex, PromptHashes, block_ha
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import device_value_pages
 from shadowkv_core.transfers import to_device
-
-if TYPE_CHECKING:
-    from shadowkv_core.shadowkv.prefill import Factors
 
 
 @dataclass(eq=False)
@@ -68,6 +64,15 @@ class ShadowRecord:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Its host tensors: a record that adopted another's basis and outliers unchanged holds that record's own."""
         return self.sv, self.outlier_k, self.outlier_v
+
+
+@dataclass
+class Factors:
+    """A layer's key factorisation under way (prefill.start_factorization): reference.factorize_keys' U and SV, and on
+    CUDA the event recorded on the stream that makes them, once they are made."""
+    u: torch.Tensor
+    sv: torch.Tensor
+    done: torch.cuda.Event | None = None
 
 
 @dataclass

@@ -7,14 +7,12 @@ in ShadowKVCache.prefill_begin, build_shadow in prefill_end.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.fetch_values import fetch_values
 from shadowkv_core.attention import prefill_attention_ref
 from shadowkv_core.shadowkv.decode import rope_lens
-from shadowkv_core.shadowkv.manager import SequenceState
+from shadowkv_core.shadowkv.manager import Factors, SequenceState
 from shadowkv_core.shadowkv.reference import chunk_landmarks, factorize_keys, find_outlier_chunks, project_keys
 from shadowkv_core.transfers import to_device
 
@@ -30,15 +28,6 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
                                 cache.spec.prefill_attention)
     build_shadow(cache, layer, st, q, k_pre, k_rot, v)
     return out
-
-
-@dataclass
-class Factors:
-    """A layer's key factorisation (factorize_keys' U, SV), and on CUDA the event after which its stream has made
-    them."""
-    u: torch.Tensor
-    sv: torch.Tensor
-    done: torch.cuda.Event | None = None
 
 
 def start_factorization(cache, k_pre: torch.Tensor) -> Factors:
