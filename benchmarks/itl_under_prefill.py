@@ -49,7 +49,8 @@ def build_engine(args: argparse.Namespace, config_dir: str, g: mm.Geometry, cfg:
         load_format="dummy", shadowkv=cfg, max_num_seqs=args.decode_batch + 1,
         max_model_len=max(args.decode_context + args.decode_tokens, args.prompt + WARM_UP_TOKENS),
         max_prefill_tokens=max(args.prompt, args.decode_context), enable_prefix_caching=False,  # every run prefills
-        gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host / mm.GIB or None, **options))
+        gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host / mm.GIB or None,
+        overlap_prefill="auto" if args.overlap_prefill is None else args.overlap_prefill, **options))
 
 
 def step_until(engine: LLMEngine, arrivals: dict[str, list[float]], done, limit: int | None = None) -> int:
@@ -104,6 +105,7 @@ def measure(engine: LLMEngine, args: argparse.Namespace, budget: float | None, p
         engine.abort(i)
     engine.drain_in_flight()
     row = {"method": args.method, "model": args.model, "budget_tflop": budget, "decode_batch": args.decode_batch,
+           "overlap_prefill": engine.streams is not None,
            "decode_context": args.decode_context, "prompt": args.prompt,
            "itl_p50_ms": percentile(idle, 0.5), "itl_p99_ms": percentile(idle, 0.99),
            "prefill_itl_p50_ms": percentile(busy, 0.5), "prefill_itl_p99_ms": percentile(busy, 0.99),
@@ -134,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prefill_step_tflop values; none: no limit")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed with no prefill")
     parser.add_argument("--warmup-steps", type=int, default=4)
+    parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="EngineConfig.overlap_prefill (default: auto)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="itl_under_prefill.json", help="relative paths land in benchmarks/results/")
     args = parser.parse_args(argv)

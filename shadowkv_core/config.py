@@ -146,6 +146,10 @@ class EngineConfig:
         work of a step (bookkeeping, graph launch, read back) runs while the device computes the step before it; the
         same tokens (sampling runs on the device: engine/sampler.py), each reported one step later. auto: on CUDA
         (elsewhere the host computes the step itself).
+    overlap_prefill: run prefill slices on a low-priority stream of their own, beside the step's decode on a
+        high-priority one (engine/streams.py): the slices' matrix multiplies fill the SMs a decode step leaves idle
+        while its values cross PCIe; the same tokens. auto: on CUDA with tensor_parallel_size 1 (a rank's two
+        streams would issue their collectives side by side).
     """
 
     model: str
@@ -173,6 +177,7 @@ class EngineConfig:
     pipeline_min_batch: int | str = AUTO
     cuda_graphs: bool | str = AUTO
     async_decode: bool | str = AUTO
+    overlap_prefill: bool | str = AUTO
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")
@@ -203,7 +208,7 @@ class EngineConfig:
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
                          lambda v: v >= 2)
-        for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode"):
+        for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode", "overlap_prefill"):
             _require_auto_or(name, getattr(self, name), (bool,), "true or false")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)
@@ -211,6 +216,9 @@ class EngineConfig:
         device = torch.device(self.device)  # raises a RuntimeError naming a malformed device string
         _require(self.prefill_attention != "cudnn" or device.type == "cuda",
                  f"prefill_attention 'cudnn' needs a CUDA device, got {self.device!r}")
+        _require(self.overlap_prefill is not True or (device.type == "cuda" and self.tensor_parallel_size == 1),
+                 f"overlap_prefill needs a CUDA device and tensor_parallel_size 1, got {self.device!r} and "
+                 f"{self.tensor_parallel_size}")
 
     def requested_dtype(self) -> torch.dtype | None:
         """The weights' dtype; None means the checkpoint's own (float32 on CPU, where half precision is slow)."""

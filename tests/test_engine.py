@@ -138,6 +138,11 @@ def test_engine_config_errors_are_clear(tiny_path):
         EngineConfig(model=tiny_path, prefill_attention="flash")
     with pytest.raises(ValueError, match="'cudnn' needs a CUDA device"):
         EngineConfig(model=tiny_path, prefill_attention="cudnn", device="cpu")
+    with pytest.raises(ValueError, match="overlap_prefill needs a CUDA device"):
+        EngineConfig(model=tiny_path, overlap_prefill=True, device="cpu")
+    with pytest.raises(ValueError, match="overlap_prefill"):
+        EngineConfig(model=tiny_path, overlap_prefill="yes")
+    assert LLMEngine(EngineConfig(model=tiny_path, overlap_prefill=False)).streams is None
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=tiny_path, kv_cache_dtype="int8")
     for bad in (0, -1.0, True, "6", float("nan")):

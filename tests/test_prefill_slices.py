@@ -133,6 +133,7 @@ def run_beside_decodes(llm, prompts, params, decoding=2):
         outs.update({o.request_id: o for o in got if o.request_id.startswith("p")})
     for i in range(decoding):
         engine.abort(f"d{i}")
+    engine.drain_in_flight()  # async decode (CUDA): the aborted requests' caches are freed once it is read back
     stats = engine.stats()
     assert (stats["num_seqs"], stats["num_running"], stats["gpu_bytes_in_use"]) == (0, 0, 0)
     return [outs[f"p{i}"] for i in range(len(prompts))], steps
@@ -194,6 +195,62 @@ def test_on_cuda_a_step_queues_prefill_slices_once_the_last_steps_are_done(tiny_
     assert outs[-1].token_ids == unsliced.generate([prompt], GREEDY)[0].token_ids
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", CACHES)
+def test_on_cuda_a_steps_slices_start_while_its_decode_still_runs(tiny_path, cache, monkeypatch):
+    """overlap_prefill: a step's prefill slices go to a low-priority stream of their own and start while the step's
+    decode (made to end in a sleeping kernel here) still runs on the high-priority main stream; with one stream they
+    start after it."""
+    order = {}
+    for overlap in (True, False):
+        llm = make_llm(tiny_path, CACHES[cache], device="cuda", dtype="float32", overlap_prefill=overlap)
+        engine = llm.engine
+        assert (engine.streams is not None) == overlap
+        if overlap:
+            assert engine.streams.main.priority < engine.streams.prefill.priority
+        engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows_of(engine, 16) / 1e12)
+        decode, advance, pairs, on = engine.runner.decode, engine.runner.advance_prefill, [], set()
+
+        def slow_decode(*args, **kwargs):
+            logits = decode(*args, **kwargs)
+            torch.cuda._sleep(50_000_000)
+            pairs.append([None, torch.cuda.Event(enable_timing=True)])
+            pairs[-1][1].record()
+            return logits
+
+        def marked_advance(job, flops):
+            on.add(torch.cuda.current_stream() == (engine.streams.prefill if overlap else torch.cuda.default_stream()))
+            if pairs and pairs[-1][0] is None:
+                pairs[-1][0] = torch.cuda.Event(enable_timing=True)
+                pairs[-1][0].record()
+            return advance(job, flops)
+
+        monkeypatch.setattr(engine.runner, "decode", slow_decode)
+        monkeypatch.setattr(engine.runner, "advance_prefill", marked_advance)
+        run_beside_decodes(llm, [tokens(120, 22)], GREEDY)
+        torch.cuda.synchronize()
+        # elapsed from a step's first slice starting to its decode ending: > 0 when the slice began first
+        order[overlap] = [start.elapsed_time(end) for start, end in pairs if start is not None]
+        assert on == {True}
+    assert len(order[True]) > 5 and all(ms > 0 for ms in order[True])
+    assert len(order[False]) > 5 and all(ms < 0 for ms in order[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", CACHES)
+def test_on_cuda_slices_beside_the_decode_give_the_tokens_of_one_stream(tiny_path, cache):
+    """With and without overlap_prefill, the same tokens for every request of a run that holds decodes, a long
+    prompt sliced finely, a short one prefilled beside it, and an abort of the long one midway; every pool back to
+    empty after (express_run checks)."""
+    runs = []
+    for overlap in (True, False):
+        engine = make_llm(tiny_path, CACHES[cache], device="cuda", dtype="float32", overlap_prefill=overlap).engine
+        long_prompt, later = tokens(200, 41), {"short": tokens(9, 42), "other": tokens(150, 43)}
+        outs, _, _, _ = express_run(engine, long_prompt, later, GREEDY, abort=("long", 2))
+        runs.append({rid: out.token_ids for rid, out in outs.items()})
+    assert runs[0] == runs[1] and {"short", "other"} <= set(runs[0])
+
+
 def held_bytes(job) -> int:
     """Bytes of the distinct tensor storages a prefill job holds between steps: its hidden states and what its layer
     generator (and the generators it delegates to) keep."""
@@ -244,6 +301,7 @@ def express_run(engine, long_prompt, later, params, after_steps=3, abort=None):
         outs.update({o.request_id: o for o in got if not o.request_id.startswith("d")})
     for i in range(2):
         engine.abort(f"d{i}")
+    engine.drain_in_flight()
     stats = engine.stats()
     assert (stats["num_seqs"], stats["num_running"], stats["gpu_bytes_in_use"]) == (0, 0, 0)
     return (outs, steps, express, jobs) if abort else (outs, steps, express)

@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
     parser.add_argument("--prefill-step-tflop", type=float, default=None,
                         help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step")
+    parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the config's engine.overlap_prefill (prefill slices on a stream of their own)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="override the config's max_num_seqs, the sequences an engine runs at once")
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.max_num_seqs is not None:
         app_args = {**app_args, "max_num_seqs": args.max_num_seqs}
     overrides = {key: value for key, value in (("enable_prefix_caching", args.prefix_caching),
-                                               ("prefill_step_tflop", args.prefill_step_tflop)) if value is not None}
+                                               ("prefill_step_tflop", args.prefill_step_tflop),
+                                               ("overlap_prefill", args.overlap_prefill)) if value is not None}
     app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size

@@ -1,7 +1,9 @@
 """LLMEngine: requests in, tokens out, one scheduling step at a time (the API the server drives)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -21,6 +23,7 @@ from .sampler import OutputCounts, StepLogprobs, sample, unpack_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
+from .streams import StepStreams
 from .structured import GrammarCompiler
 from .text import TextProcessor
 
@@ -29,6 +32,15 @@ logger = logging.getLogger(__name__)
 # A waiting prompt whose prefill costs at most this fraction of what the prefill under way has left starts beside it:
 # a short prefill is not held up by a long one, and each delays the long one by a small share at most.
 EXPRESS_SHARE = 8
+
+
+def on_main_stream(method):
+    """An LLMEngine method whose device work goes to the engine's main stream (StepStreams), where it has one."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with self._main_stream():
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 @dataclass
@@ -68,6 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   pipeline_min_batch=self._pipeline_min_batch(config),
                                   cuda_graphs=choose(config.cuda_graphs, cuda))
+        self.streams = StepStreams(self.device) if choose(config.overlap_prefill, cuda and size == 1) else None
         self.scheduler = Scheduler(self.cache.manager, config.max_num_seqs, config.max_prefill_tokens,
                                    config.max_waiting)
         self.async_decode = choose(config.async_decode, cuda)
@@ -135,6 +148,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
+    @on_main_stream
     def fork(self, request_id: str, new_request_id: str) -> list[RequestOutput]:
         """A new request that continues from a copy of a decoding request's state: its prompt, its tokens so far and
         its cache (no prefill); its sampled tokens are drawn from a seed of its own. MemoryError if the cache has no
@@ -164,6 +178,7 @@ class LLMEngine:
         self.requests[new_request_id] = seq
         return outputs
 
+    @on_main_stream
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
@@ -178,6 +193,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or self.in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------------------------
+    @on_main_stream
     def step(self) -> list[RequestOutput]:
         """Decode one token for every running request, and advance the prefill under way by as many of its slices
         as `prefill_step_tflop` buys (a short prompt's whole prefill; a long prompt's over many steps); with nothing
@@ -187,19 +203,26 @@ class LLMEngine:
         With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
         or string) has decoded one more token by then, which is dropped. A step whose batch holds a request with a
-        grammar (structured output) runs without that overlap: its mask needs the token before."""
+        grammar (structured output) runs without that overlap: its mask needs the token before.
+
+        With StepStreams the step's prefill slices run beside its decode, and the next step waits for both."""
+        if self.streams is not None and self._slices_queued is not None:
+            self.streams.after_slices(self._slices_queued)
         scheduled = self.scheduler.schedule(self._express())
         outputs, prev = [], self.in_flight
-        if scheduled.prefill:
-            job = self.runner.start_prefill(scheduled.prefill)
-            if self.prefill_job is None:
-                self.prefill_job, self._prefill_clock = job, (time.monotonic(), True)
-            else:
-                self.express_job = job
         decode = scheduled.decode
         if prev is not None:  # a request whose last token is in flight has no step left to run
             decode = [seq for seq in decode
                       if len(seq.output_token_ids) + (seq.seq_id in prev.rows) < seq.params.max_tokens]
+        if self.streams is not None and (scheduled.prefill or self.prefill_job is not None):
+            self.streams.before_decode()
+        if scheduled.prefill:
+            with self._slice_stream():
+                job = self.runner.start_prefill(scheduled.prefill)
+            if self.prefill_job is None:
+                self.prefill_job, self._prefill_clock = job, (time.monotonic(), True)
+            else:
+                self.express_job = job
         if decode and self.async_decode and not any(seq.grammar is not None for seq in decode):
             outputs += self._launch(decode, prev)
             outputs += self._read_back(prev)
@@ -227,14 +250,23 @@ class LLMEngine:
         return outputs
 
     def _queued_mark(self) -> torch.cuda.Event | None:
-        """On CUDA, an event after the work queued so far. The next step waits for it before it queues prefill
-        slices, so the device holds one step's slices at most: the step's budget then bounds the decodes' wait, and
-        every step waits for the one before it alone, whatever slices it holds (none of them needs to sync)."""
+        """On CUDA, an event after the work queued so far (with StepStreams, the prefill stream's: the slices). The
+        next step waits for it before it queues prefill slices, so the device holds one step's slices at most: the
+        step's budget then bounds the decodes' wait, and every step waits for the one before it alone, whatever
+        slices it holds (none of them needs to sync)."""
         if self.device.type != "cuda":
             return None
+        if self.streams is not None:
+            return self.streams.mark()
         event = torch.cuda.Event()
         event.record()
         return event
+
+    def _main_stream(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.streams is None else self.streams.engine()
+
+    def _slice_stream(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.streams is None else self.streams.slices()
 
     def _express(self) -> Callable[[int, int], bool] | None:
         """While a prefill is under way and no short one beside it: whether a waiting prompt (tokens cached, tokens
@@ -258,12 +290,18 @@ class LLMEngine:
     def _advance_prefill(self, job: PrefillJob, flops: float | None) -> torch.Tensor | None:
         """The runner's advance_prefill; once it has run every layer, the prompt logprobs go to the sequences that
         asked for them."""
-        logits = self.runner.advance_prefill(job, flops)
-        for i, packed in job.prompt_logprobs.items():
-            seq = job.seqs[i]
-            seq.prompt_logprobs = [None, *unpack_logprobs(packed.tolist(), [seq.params.prompt_logprobs] * len(packed))]
+        with self._slice_stream():
+            logits = self.runner.advance_prefill(job, flops)
+            for i, packed in job.prompt_logprobs.items():
+                seq = job.seqs[i]
+                seq.prompt_logprobs = [None, *unpack_logprobs(packed.tolist(),
+                                                              [seq.params.prompt_logprobs] * len(packed))]
+        if logits is not None and self.streams is not None:  # sampled on the main stream
+            self.streams.after_slices()
+            logits.record_stream(self.streams.main)
         return logits
 
+    @on_main_stream
     def drain_in_flight(self) -> list[RequestOutput]:
         """Read back the decode step in flight (async decode), if any: after it every request's tokens are those its
         cache holds, and nothing runs on the device for this engine."""
@@ -376,6 +414,7 @@ class LLMEngine:
             seq.finish("error", f"{type(exc).__name__}: {exc}")
             self._release(seq)
 
+    @on_main_stream
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Fail every request held (a replica that can no longer step): their last outputs."""
         seqs = list(self.requests.values())
@@ -384,13 +423,18 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """Drop a finished, failed or aborted request from the running batch and the prefill under way, and free its
-        cache: at once, or, if a decode step still running on the device holds it, once that step is read back."""
-        if self.express_job is not None and seq in self.express_job.seqs:
-            self.express_job = self.express_job.without(seq)
-        if self.prefill_job is not None and seq in self.prefill_job.seqs:
-            self.prefill_job = self.prefill_job.without(seq)
-            if self.prefill_job is None:
-                self.prefill_job, self.express_job, self._prefill_clock = self.express_job, None, None
+        cache: at once, or, if a decode step still running on the device holds it, once that step is read back.
+        One dropped from a prefill is freed behind the slices queued for it."""
+        in_express, in_prefill = (job is not None and seq in job.seqs for job in (self.express_job, self.prefill_job))
+        if (in_express or in_prefill) and self.streams is not None:
+            self.streams.after_slices()
+        with self._slice_stream():
+            if in_express:
+                self.express_job = self.express_job.without(seq)
+            if in_prefill:
+                self.prefill_job = self.prefill_job.without(seq)
+                if self.prefill_job is None:
+                    self.prefill_job, self.express_job, self._prefill_clock = self.express_job, None, None
         held = self.in_flight is not None and seq.seq_id in self.in_flight.rows
         self.scheduler.finish(seq, free=not held)
         self.counts.free(seq.seq_id)
@@ -403,6 +447,7 @@ class LLMEngine:
         """Predicted (GPU bytes, host bytes) a request of this shape holds while it runs."""
         return self.cache.manager.footprint(prompt_len, max_tokens)
 
+    @on_main_stream
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix no running request holds (their blocks return to the pools); how many blocks."""
         return self.cache.manager.clear_prefix_cache()
@@ -411,6 +456,7 @@ class LLMEngine:
         """Raises when the engine can serve no more (tensor_parallel.py's can break); this one fails a request, never
         itself."""
 
+    @on_main_stream
     def close(self) -> None:
         """Abort everything and release the caches (pinned host memory included)."""
         for request_id in list(self.requests):

@@ -47,9 +47,10 @@ class ShadowKVCache(KVCache):
                                        self.gpu.page_bytes, pools.num_host_pages, pools.num_device_value_pages,
                                        self.host.page_bytes, self.device, prefix_caching)
         self.counts = StepCounts(self.host.fetch_bytes())
-        # the kernel path's value fetch and key rebuild run on two side streams, joined by events
-        self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
-            if self.device.type == "cuda" else None
+        # the kernel path's value fetch and key rebuild run on two side streams, joined by events; at the highest
+        # priority, as the decode's own stream (engine/streams.py), above any prefill slices
+        self.streams = tuple(torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+                             for _ in range(2)) if self.device.type == "cuda" else None
         # a cold prefill's key factorisation (prefill.start_factorization), beside the layer's attention slices
         self.build_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.fetch_shape = fetch_shape(config, self.device)
