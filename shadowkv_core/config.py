@@ -147,9 +147,9 @@ class EngineConfig:
         same tokens (sampling runs on the device: engine/sampler.py), each reported one step later. auto: on CUDA
         (elsewhere the host computes the step itself).
     overlap_prefill: run prefill slices on a low-priority stream of their own, beside the step's decode on a
-        high-priority one (engine/streams.py): the slices' matrix multiplies fill the SMs a decode step leaves idle
-        while its values cross PCIe; the same tokens. auto: on CUDA with tensor_parallel_size 1 (a rank's two
-        streams would issue their collectives side by side).
+        high-priority one (engine/streams.py): the slices may run while the decode waits on its value fetch,
+        and the decode's blocks go first where both are ready; the same tokens. auto: on CUDA with
+        tensor_parallel_size 1 (a rank's two streams would issue their collectives side by side).
     """
 
     model: str

@@ -304,7 +304,7 @@ class LLMEngine:
     @on_main_stream
     def drain_in_flight(self) -> list[RequestOutput]:
         """Read back the decode step in flight (async decode), if any: after it every request's tokens are those its
-        cache holds, and nothing runs on the device for this engine."""
+        cache holds, and no decode of this engine runs on the device (prefill slices may)."""
         job, self.in_flight = self.in_flight, None
         return self._read_back(job)
 
@@ -458,10 +458,12 @@ class LLMEngine:
 
     @on_main_stream
     def close(self) -> None:
-        """Abort everything and release the caches (pinned host memory included)."""
+        """Abort everything and release the caches (pinned host memory included) once no queued work reads them."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self.drain_in_flight()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # slices and host-value copies still queued on any stream
         self.cache.close()
 
     def stats(self) -> dict[str, float]:

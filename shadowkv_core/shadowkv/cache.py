@@ -48,7 +48,7 @@ class ShadowKVCache(KVCache):
                                        self.host.page_bytes, self.device, prefix_caching)
         self.counts = StepCounts(self.host.fetch_bytes())
         # the kernel path's value fetch and key rebuild run on two side streams, joined by events; at the highest
-        # priority, as the decode's own stream (engine/streams.py), above any prefill slices
+        # priority, which the decode's own stream has too with overlap_prefill (engine/streams.py): above any slices
         self.streams = tuple(torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
                              for _ in range(2)) if self.device.type == "cuda" else None
         # a cold prefill's key factorisation (prefill.start_factorization), beside the layer's attention slices
