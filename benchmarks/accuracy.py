@@ -15,7 +15,10 @@ of its exact keys gets: no method a server could run (it keeps every key), the c
 shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head); shadowkv_fp8lm has its
 landmarks in fp8 as well (ShadowKVConfig.landmark_format); shadowkv_timed is the configuration the throughput
 benchmark times: the engine's defaults on the device (Triton kernels, CUDA graphs, async and pipelined decode on
-CUDA), fp8 values and the device tier. dense_fp8 is dense attention with its cache in fp8 (EngineConfig.kv_cache_dtype:
+CUDA), fp8 values and the device tier. ShadowKV's landmarks are its default bounds (ShadowKVConfig.landmark_kind:
+each chunk's per-dimension centre and half-range of its keys, scored by the largest logit a key inside them could
+reach); shadowkv_mean and shadowkv_timed_mean are shadowkv and shadowkv_timed with the paper's landmark, the keys'
+mean. dense_fp8 is dense attention with its cache in fp8 (EngineConfig.kv_cache_dtype:
 e4m3, a scale per token and KV head).
 shadowkv_prefix and dense_prefix are shadowkv and dense with one engine kept across a conversation's turns, so that
 every turn after the first is served from the engine's prefix cache, where the other methods re-prefill each turn

@@ -43,10 +43,14 @@ SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": Snap
 EVICTION = ("streamingllm", "snapkv")
 # a conversation's turns on one engine, served from its prefix cache: the method each runs as
 CACHED = {"shadowkv_prefix": "shadowkv", "dense_prefix": "dense"}
+# ShadowKV methods with the paper's mean landmarks (ShadowKVConfig.landmark_kind, bounds by default): the method each
+# is otherwise
+MEAN = {"shadowkv_mean": "shadowkv", "shadowkv_timed_mean": "shadowkv_timed"}
+TIMED = ("shadowkv_timed", "shadowkv_timed_mean")  # on the engine's default decode path, not the reference's
 # fp8 values; fp8 landmarks as well; the timed configuration (kernels, CUDA graphs, async and pipelined decode where
 # the device has them, fp8 values, the device tier)
 METHODS = (*DENSE, "shadowkv", "shadowkv_prefix", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm",
-           "shadowkv_timed", "chunk_oracle")
+           "shadowkv_timed", *MEAN, "chunk_oracle")
 DIAGNOSTIC = ("chunk_oracle",)  # run only when named: a ceiling, not a method
 # what conversation() records of the engine's prefix cache each turn: its field -> the cache's stat
 PREFIX_STATS = {"hit_tokens": "prefix_hit_tokens", "query_tokens": "prefix_query_tokens",
@@ -70,6 +74,9 @@ def shadowkv_config(model: str, context: int, budget: float, rank_share: float =
 def method_config(model: str, method: str, context: int, budget: float, rank_share: float) -> ShadowKVConfig | None:
     if method in DENSE:
         return None
+    if method in MEAN:
+        return dataclasses.replace(method_config(model, MEAN[method], context, budget, rank_share),
+                                   landmark_kind="mean")
     fp8 = method in ("shadowkv_fp8", "shadowkv_fp8lm", "shadowkv_timed")
     config = shadowkv_config(model, context, budget, rank_share, "fp8" if fp8 else "model",
                              "fp8" if method == "shadowkv_fp8lm" else "model")
@@ -83,14 +90,14 @@ def method_config(model: str, method: str, context: int, budget: float, rank_sha
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
           max_model_len: int, forced: bool = False, conversations: int = 0) -> LLM:
-    """The method's engine (a cached method's: its uncached method's). Every method but shadowkv_timed runs the
-    PyTorch reference decode path (the selection policies need it; the kernels equal it by test); shadowkv_timed runs
+    """The method's engine (a cached method's: its uncached method's). Every method but the TIMED ones runs the
+    PyTorch reference decode path (the selection policies need it; the kernels equal it by test); those run
     what the engine does by default on the device. `forced`: each step read back before the next (teacher forcing
     rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
     beyond CACHE_GIB (live, and their prefixes cached beside them)."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
-    speed = {} if method == "shadowkv_timed" else {"use_kernels": False}
+    speed = {} if method in TIMED else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False
     gib = CACHE_GIB + _conversations_gib(model, config, conversations, max_model_len)

@@ -14,8 +14,9 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
 
 Methods (METHODS): dense, dense_fp8 (EngineConfig.kv_cache_dtype fp8), shadowkv, shadowkv_fp8 (fp8 host values),
 shadowkv_fp8lm (fp8 values and fp8 landmarks, ShadowKVConfig.landmark_format),
-shadowkv[_fp8|_fp8lm][_tiered][_pipelined]
-(_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
+shadowkv[_fp8|_fp8lm][_mean][_tiered][_pipelined]
+(_mean: the paper's mean landmarks, ShadowKVConfig.landmark_kind "mean", where the default is bounds;
+_tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
 run's memory, so the device memory a host-bound batch leaves over holds values; _pipelined: Decoder.forward_halves),
 hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the faster of the two, and the ratios
 to dense the faster of dense and dense_fp8); each
@@ -47,7 +48,7 @@ from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shado
 
 ENGINE_METHODS = ("dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
-                  "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined")
+                  "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined", "shadowkv_fp8lm_mean_tiered_pipelined")
 SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *SYNC_METHODS, "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
@@ -69,8 +70,9 @@ def geometry_config(name: str, max_len: int) -> dict:
 # ---- engines --------------------------------------------------------------------------------------------------
 def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config;
-    a _tiered method keeps tier_share of each sequence's values on the device; _eager runs without CUDA graphs, _sync
-    without async decode (each step read back before the next is launched)."""
+    a _mean method keeps the paper's mean landmarks, a _tiered one tier_share of each sequence's values on the
+    device; _eager runs without CUDA graphs, _sync without async decode (each step read back before the next is
+    launched)."""
     sync = method.endswith("_sync")
     method = method.removesuffix("_sync")
     base = method.removesuffix("_eager")
@@ -78,11 +80,14 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = base.removesuffix("_pipelined")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
+    mean = base.endswith("_mean")
+    base = base.removesuffix("_mean")
     shadow = {"dense": None, "dense_fp8": None, "hf": None, "hf_static": None, "shadowkv": cfg,
               "shadowkv_fp8": dataclasses.replace(cfg, value_format="fp8"),
               "shadowkv_fp8lm": dataclasses.replace(cfg, value_format="fp8", landmark_format="fp8")}[base]
     if shadow is not None:
-        shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0)
+        shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0,
+                                     landmark_kind="mean" if mean else shadow.landmark_kind)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                     "pipeline_min_batch": 2, "async_decode": False if sync else "auto",
                     "kv_cache_dtype": "fp8" if base == "dense_fp8" else "auto"}

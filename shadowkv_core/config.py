@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 VALUE_FORMATS = ("model", "fp8")
+LANDMARK_KINDS = ("bounds", "mean")  # ShadowKVConfig.landmark_kind
 PREFILL_ATTENTIONS = ("sdpa", "sdpa_split", "cudnn", "triton")  # attention.chunk_attention's implementations
 KV_CACHE_DTYPES = ("auto", "fp8")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,6 +43,11 @@ class ShadowKVConfig:
     landmark_format: how landmarks are kept on the GPU: "model" (the model's dtype) or "fp8" (e4m3 with one fp32
         scale per chunk and KV head): half the bytes the per-step scoring reads, and half their GPU memory; the
         selection then ranks chunks by the quantised landmarks.
+    landmark_kind: what a chunk's landmark keeps of its post-RoPE keys: "bounds" (their per-dimension centre and
+        half-range, 2·d numbers per KV head; a chunk scores q·centre + |q|·half-range, the largest logit any key
+        inside the bounds could reach, never below its best key's, so a key that stands out in a few dimensions is
+        not averaged away) or "mean" (the paper's: their mean, d numbers, half the landmark bytes and scoring reads;
+        a chunk scores q·mean). Outliers are the chunks worst approximated by their mean either way.
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
         first pages, rounded down to whole pages): a hit there costs no PCIe. "auto": the share under which the
         replica's pools hold the most sequences of max_model_len tokens (memory_model.best_device_value_share), on
@@ -58,6 +64,7 @@ class ShadowKVConfig:
     page_chunks: int = 16
     value_format: str = "model"
     landmark_format: str = "model"
+    landmark_kind: str = "bounds"
     device_value_share: float | str = AUTO
 
     def __post_init__(self):
@@ -75,6 +82,8 @@ class ShadowKVConfig:
                          lambda v: 0.0 <= v <= 1.0)
         _require(self.landmark_format in VALUE_FORMATS,
                  f"landmark_format must be one of {VALUE_FORMATS}, got {self.landmark_format!r}")
+        _require(self.landmark_kind in LANDMARK_KINDS,
+                 f"landmark_kind must be one of {LANDMARK_KINDS}, got {self.landmark_kind!r}")
         _require(self.value_format in VALUE_FORMATS,
                  f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
         _require(self.decode_window >= 2 * self.chunk_size and self.decode_window % (2 * self.chunk_size) == 0,
@@ -89,6 +98,11 @@ class ShadowKVConfig:
     @property
     def budget_chunks(self) -> int:
         return self.sparse_budget // self.chunk_size
+
+    @property
+    def landmark_width(self) -> int:
+        """Numbers a landmark keeps per KV head, in head dims: 1 (mean) or 2 (bounds)."""
+        return 2 if self.landmark_kind == "bounds" else 1
 
     def check_model(self, num_kv_heads: int, head_dim: int) -> None:
         """Raise if this config cannot apply to a model of this geometry."""
@@ -228,7 +242,7 @@ class EngineConfig:
 
 
 PRESETS = {
-    "paper": ShadowKVConfig(),  # Llama-3.1-8B at 1.56 % of 128K, the paper's setting
+    "paper": ShadowKVConfig(),  # Llama-3.1-8B at 1.56 % of 128K, the paper's sizes (its landmarks: landmark_kind)
     "small": ShadowKVConfig(rank=40, chunk_size=8, sparse_budget=256, outlier_chunks=8, local_chunks=4,
                             min_context=1024, decode_window=128),
 }

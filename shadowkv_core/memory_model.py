@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import AUTO, KV_CACHE_DTYPES, VALUE_FORMATS, ShadowKVConfig
+from .config import AUTO, KV_CACHE_DTYPES, LANDMARK_KINDS, VALUE_FORMATS, ShadowKVConfig
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
 FP8_SCALE_BYTES = 4  # fp32 scale of one chunk (dense cache: one token) of one KV head's fp8 values
@@ -118,13 +118,14 @@ def page_tokens(cfg: ShadowKVConfig) -> int:
 
 
 def gpu_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
-    """U rows (page_tokens, rank), landmarks (page_chunks, Hkv, d) and outlier flags (page_chunks, Hkv) of every
-    layer; fp8 landmarks with an fp32 scale per chunk and KV head."""
+    """U rows (page_tokens, rank), landmarks (page_chunks, Hkv, d; bounds: 2d) and outlier flags (page_chunks, Hkv)
+    of every layer; fp8 landmarks with an fp32 scale per chunk and KV head."""
     u = page_tokens(cfg) * cfg.rank * g.dtype_bytes
     flags = cfg.page_chunks * g.num_kv_heads * OUTLIER_FLAG_BYTES
+    width = g.kv_width * cfg.landmark_width
     if cfg.landmark_format == "fp8":
-        return g.num_layers * (u + flags + cfg.page_chunks * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES))
-    return g.num_layers * (u + flags + cfg.page_chunks * g.kv_width * g.dtype_bytes)
+        return g.num_layers * (u + flags + cfg.page_chunks * (width + g.num_kv_heads * FP8_SCALE_BYTES))
+    return g.num_layers * (u + flags + cfg.page_chunks * width * g.dtype_bytes)
 
 
 def host_page_bytes(g: Geometry, cfg: ShadowKVConfig) -> int:
@@ -367,6 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outlier-chunks", type=int, default=48)
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="model",
                         help="host values: model dtype or fp8")
+    parser.add_argument("--landmark-format", choices=VALUE_FORMATS, default="model",
+                        help="landmarks: model dtype or fp8")
+    parser.add_argument("--landmark-kind", choices=LANDMARK_KINDS, default=LANDMARK_KINDS[0],
+                        help="bounds (2·d numbers a chunk and KV head) or the paper's mean (d)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="dense cache: model dtype or fp8")
     parser.add_argument("--device-value-share", default="0",
@@ -381,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank % tp:
         raise ValueError(f"--rank {args.rank} must be a multiple of --tensor-parallel {tp}")
     cfg = ShadowKVConfig(rank=args.rank // tp, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
-                         outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share)
+                         outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share,
+                         landmark_format=args.landmark_format, landmark_kind=args.landmark_kind)
     cfg.check_model(g.num_kv_heads, g.head_dim)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
     print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, "

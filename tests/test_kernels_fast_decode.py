@@ -55,15 +55,16 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
     return caches, rotary
 
 
-@pytest.mark.parametrize("value_format,fast_share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
-                                                               ("model", 0.5, "model"), ("fp8", 0.3, "fp8")])
+@pytest.mark.parametrize("value_format,fast_share,landmarks,kind", [
+    ("model", 0.0, "model", "mean"), ("fp8", 0.0, "model", "mean"), ("model", 0.5, "model", "mean"),
+    ("fp8", 0.3, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.3, "fp8", "bounds")])
 @pytest.mark.parametrize("dtype", [torch.float32])
-def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, device=DEVICE,
+def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, kind, device=DEVICE,
                                       prompt_lens=(150, 61, 97), steps=12):
     """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
-    landmarks: their format on both."""
+    landmarks, kind: their format and kind on both."""
     caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
-                                landmark_format=landmarks)
+                                landmark_format=landmarks, landmark_kind=kind)
     if fast_share:
         assert caches[1].manager.device_value_pages.num_free < caches[1].manager.device_value_pages.num_blocks
     for step in range(steps):
@@ -76,10 +77,11 @@ def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value_format,fast_share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
-                                                               ("fp8", 0.4, "fp8")])
-def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share, landmarks):
-    test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, landmarks, device="cuda",
+@pytest.mark.parametrize("value_format,fast_share,landmarks,kind", [
+    ("model", 0.0, "model", "mean"), ("fp8", 0.0, "model", "mean"), ("fp8", 0.4, "fp8", "mean"),
+    ("model", 0.0, "model", "bounds"), ("fp8", 0.4, "fp8", "bounds")])
+def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share, landmarks, kind):
+    test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, landmarks, kind, device="cuda",
                                       prompt_lens=(1500, 611, 977, 2048), steps=20)
 
 

@@ -12,7 +12,7 @@ from shadowkv_core.tiny_model import build_tiny_model
 
 G8B = mm.PRESETS["llama-3.1-8b"]
 GPU, HOST = 80 * mm.GIB, 512 * mm.GIB
-PAPER = ShadowKVConfig(device_value_share=0.0)  # the paper: every value on the host
+PAPER = ShadowKVConfig(device_value_share=0.0, landmark_kind="mean")  # the paper: mean landmarks, values on the host
 
 
 def cap(cfg, context=122880, g=G8B):
@@ -51,13 +51,14 @@ def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
     assert mm.Geometry.from_spec(spec, torch.float32).weight_bytes == sum(params.values())
 
 
-@pytest.mark.parametrize("value_format,share,landmarks", [("model", 0.0, "model"), ("fp8", 0.0, "model"),
-                                                          ("model", 0.4, "fp8"), ("fp8", 0.55, "fp8")])
-def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share, landmarks):
+@pytest.mark.parametrize("value_format,share,landmarks,kind", [
+    ("model", 0.0, "model", "mean"), ("fp8", 0.0, "model", "mean"), ("model", 0.4, "fp8", "mean"),
+    ("fp8", 0.55, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.4, "fp8", "bounds")])
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share, landmarks, kind):
     path = build_tiny_model(tmp_path)
     cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
                          min_context=32, decode_window=16, page_chunks=4, value_format=value_format,
-                         device_value_share=share, landmark_format=landmarks)
+                         device_value_share=share, landmark_format=landmarks, landmark_kind=kind)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
     cache, shadow = engine.cache, engine.cache.shadow
@@ -143,7 +144,7 @@ def test_cli_prints_dense_and_shadowkv_capacity(capsys):
     dense = free // (tokens * 2 * layers * kv_width * bf16 + logits)
     exact = 256 * 8 + 48 * 8 + 4 * 8 + 512  # selected, outlier and local chunks of 8 tokens; the decode window
     slot = layers * ((160 * kv_width + 2 * exact * kv_width) * bf16 + 256 * 8 * 8)  # rank 160 basis; chunk ids
-    page_gpu = layers * (128 * 160 * bf16 + 16 * 8 + 16 * kv_width * bf16)  # U rows, outlier flags, landmarks
+    page_gpu = layers * (128 * 160 * bf16 + 16 * 8 + 16 * 2 * kv_width * bf16)  # U rows, outlier flags, bounds
     shadow_gpu = slot + 4096 * 2 * layers * kv_width * bf16 + pages * page_gpu + logits  # + a dense reservation
     shadow_free = free - 122880 * 2 * kv_width * 4  # the factorised keys' fp32 rows
     shadow_host = pages * 128 * layers * kv_width * bf16

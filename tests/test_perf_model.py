@@ -15,7 +15,7 @@ KV_WIDTH = 8 * 128  # KV heads x head_dim
 
 
 def test_performance_model_at_122k():
-    g, cfg = G8B, ShadowKVConfig(device_value_share=0.0)
+    g, cfg = G8B, ShadowKVConfig(device_value_share=0.0, landmark_kind="mean")
     copy, h2d = 4.28e12, 55.2e9
     assert infinite_memory_tok_s(g, 122880, copy) == pytest.approx(265, rel=0.01)  # 16.1 GB of K+V per token
     assert 8 / dense_floor_s(g, 122880, 8, copy) < infinite_memory_tok_s(g, 122880, copy)
@@ -47,10 +47,10 @@ def test_floor_at_each_device_value_share(tmp_path):
     for r in rows:
         share, batch = r["device_value_share"], r["batch"]
         assert batch == mm.capacity(G8B, dataclasses.replace(fp8, device_value_share=share), gpu, host, [122880], 256)
-        # per layer and sequence, by hand: every chunk's fp8 landmark with its 8 heads' scales and outlier flags, the
-        # exact K and V of the selected, outlier and local chunks, the missed chunks' U rows (rank 160), and the
-        # missed values kept on the device
-        hbm = (KV_WIDTH + 8 * 4 + 8) * 122880 / 8 + 2 * 2 * KV_WIDTH * (256 + 48 + 4) * 8 + misses * 8 * 8 * 160 * 2
+        # per layer and sequence, by hand: every chunk's fp8 bounds landmark (centre and half-range) with its 8 heads'
+        # scales and outlier flags, the exact K and V of the selected, outlier and local chunks, the missed chunks' U
+        # rows (rank 160), and the missed values kept on the device
+        hbm = (2 * KV_WIDTH + 8 * 4 + 8) * 122880 / 8 + 2 * 2 * KV_WIDTH * (256 + 48 + 4) * 8 + misses * 8 * 8 * 160 * 2
         hbm += share * misses * chunk_values
         pcie = (1 - share) * misses * chunk_values
         hbm_ms, pcie_ms = (1e3 * 32 * batch * b / (gbps * 1e9) for b, gbps in ((hbm, copy_gbps), (pcie, h2d_gbps)))

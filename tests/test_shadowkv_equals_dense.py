@@ -16,22 +16,23 @@ PRECISIONS = [pytest.param("cpu", torch.float32, 1e-4, id="cpu-fp32"),
               pytest.param("cuda", torch.bfloat16, 4e-2, id="cuda-bf16", marks=pytest.mark.gpu)]
 
 
-def caches(spec, dtype, device, rotary):
+def caches(spec, dtype, device, rotary, landmark_kind="mean"):
     config = ShadowKVConfig(rank=spec.num_kv_heads * spec.head_dim, chunk_size=4, sparse_budget=4096,
                             outlier_chunks=2, local_chunks=2, min_context=0, decode_window=16, page_chunks=4,
-                            device_value_share=0.0)
+                            device_value_share=0.0, landmark_kind=landmark_kind)
     cache_spec = CacheSpec.of(spec, dtype, device)
     shadow = ShadowKVCache(cache_spec, config, Pools(num_slots=3, num_dense_blocks=0, num_gpu_pages=32,
                                                      num_host_pages=32), rotary)
     return DenseKVCache(cache_spec, 64, 8), shadow
 
 
+@pytest.mark.parametrize("landmark_kind", ["mean", "bounds"])
 @pytest.mark.parametrize("device, dtype, rel", PRECISIONS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_full_budget_full_rank_shadowkv_equals_dense(family, device, dtype, rel, tmp_path):
+def test_full_budget_full_rank_shadowkv_equals_dense(family, device, dtype, rel, landmark_kind, tmp_path):
     build_tiny_hf_model(family, tmp_path)
     decoder, spec = load_model(str(tmp_path), dtype, device)
-    dense, shadow = caches(spec, dtype, device, decoder.rotary)
+    dense, shadow = caches(spec, dtype, device, decoder.rotary, landmark_kind)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
     for i, p in enumerate(prompts):

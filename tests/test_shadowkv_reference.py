@@ -5,7 +5,8 @@ import torch
 from shadowkv_core.attention import attention_ref
 from shadowkv_core.shadowkv.reference import (assign_slots, chunk_landmarks, factorize_keys, find_outlier_chunks,
                                               gather_values, landmark_scores, paged_rows, project_keys,
-                                              rebuild_keys, select_chunks, sparse_decode_attention_ref)
+                                              rebuild_keys, scoring_query, select_chunks,
+                                              sparse_decode_attention_ref)
 
 
 class RopeForTests:
@@ -65,6 +66,48 @@ def test_chunk_landmarks_are_chunk_means():
     torch.testing.assert_close(lm[2], k_rot[8:12].mean(0))
 
 
+def test_bounds_landmarks_score_at_least_every_key_of_their_chunk():
+    """A bounds landmark [centre, half-range] scored with [q, |q|] is an upper bound of q·k over its chunk's keys,
+    met where one key takes every dimension's extreme that q's sign picks."""
+    torch.manual_seed(0)
+    C, n, Hkv, d = 8, 12, 3, 16
+    k_rot = torch.randn(n * C, Hkv, d) * torch.rand(1, 1, d) * 4
+    lm = chunk_landmarks(k_rot, C, "bounds")
+    assert lm.shape == (n, Hkv, 2 * d)
+    chunks = k_rot.view(n, C, Hkv, d)
+    torch.testing.assert_close(lm[..., :d] - lm[..., d:], chunks.amin(1))
+    torch.testing.assert_close(lm[..., :d] + lm[..., d:], chunks.amax(1))
+    for _ in range(5):
+        q = torch.randn(Hkv, d)
+        bound = torch.einsum("hd,nhd->nh", scoring_query(q, "bounds"), lm)  # (n, Hkv)
+        best = torch.einsum("hd,nchd->nch", q, chunks).amax(1)
+        assert (bound >= best - 1e-4).all()
+    q = torch.randn(Hkv, d)
+    extreme = torch.where(q > 0, chunks[3].amax(0), chunks[3].amin(0))  # (Hkv, d): every bound q's sign picks
+    k_rot.view(n, C, Hkv, d)[3, 5] = extreme
+    lm = chunk_landmarks(k_rot, C, "bounds")
+    torch.testing.assert_close(torch.einsum("hd,hd->h", scoring_query(q, "bounds"), lm[3]),
+                               torch.einsum("hd,hd->h", q, extreme))
+
+
+def test_bounds_landmarks_find_a_key_that_the_mean_averages_away():
+    """One key matches the query in a few dimensions among chunk-mates that cancel it: the chunk's mean scores like
+    any other chunk's, its bounds score it first."""
+    torch.manual_seed(0)
+    C, n, d = 8, 16, 32
+    k_rot = torch.randn(n * C, 1, d) * 0.5
+    q = torch.zeros(1, d)
+    q[0, :4] = 3.0
+    k_rot[6 * C + 2, 0, :4] = 4.0  # the needle's key
+    k_rot[6 * C + 3: 7 * C, 0, :4] -= 4.0 / (C - 3)  # its chunk-mates pull the mean back
+    k_rot[6 * C:6 * C + 2, 0, :4] = 0.0
+    none = torch.zeros(1, n, dtype=torch.bool)
+    by_mean = landmark_scores(q, chunk_landmarks(k_rot, C), none, scale=1.0)
+    by_bounds = landmark_scores(scoring_query(q, "bounds"), chunk_landmarks(k_rot, C, "bounds"), none, scale=1.0)
+    assert select_chunks(by_bounds, 1).item() == 6
+    assert select_chunks(by_mean, 1).item() != 6
+
+
 def test_outliers_find_planted_bad_chunks():
     torch.manual_seed(0)
     C, n, Hkv, d = 8, 20, 2, 16
@@ -73,7 +116,7 @@ def test_outliers_find_planted_bad_chunks():
     k_rot[5 * C + 3, 0] = -direction[0]  # chunk 5 badly approximated on head 0
     k_rot[11 * C, 1] = torch.randn(d) * 3  # chunk 11 on head 1
     k_rot[17 * C + 7, 1] = -direction[1]  # chunk 17 on head 1
-    ids = find_outlier_chunks(k_rot, chunk_landmarks(k_rot, C), C, num_outliers=2)
+    ids = find_outlier_chunks(k_rot, C, num_outliers=2)
     assert ids.shape == (2, 2)
     assert 5 in ids[0].tolist()
     assert ids[1].tolist() == [11, 17]

@@ -208,7 +208,8 @@ class ShadowKVCache(KVCache):
         half, C, L = self.config.decode_window // 2, self.config.chunk_size, self.spec.num_layers
         wk, wv = self.slots.window_k[st.slot], self.slots.window_v[st.slot]  # (L, E, Hkv, d)
         Hkv, d = wk.shape[-2:]
-        lm = chunk_landmarks(wk[:, :half].reshape(L * half, Hkv, d), C).view(L, half // C, Hkv, d)
+        lm = chunk_landmarks(wk[:, :half].reshape(L * half, Hkv, d), C, self.config.landmark_kind)
+        lm = lm.view(L, half // C, Hkv, -1)
         self.gpu.write_landmarks(slice(None), st.gpu_table, st.num_shadow, lm)
         if self.chunk_scorer is not None:
             self.chunk_scorer.fold(st, wk[:, :half], C)

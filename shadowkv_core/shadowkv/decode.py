@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.shadowkv.manager import SequenceState
-from shadowkv_core.shadowkv.reference import (assign_slots, landmark_scores, project_keys, rebuild_keys,
+from shadowkv_core.shadowkv.reference import (assign_slots, landmark_scores, project_keys, rebuild_keys, scoring_query,
                                               select_chunks, sparse_decode_attention_ref)
 
 
@@ -38,11 +38,12 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     """Score the shadow's chunks, pick k per KV head, bring the misses into their slots.
     -> keys, values (Hkv, k*C, d) of the selected chunks, in slot order."""
     slots, s, C = cache.slots, st.slot, cache.config.chunk_size
-    landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)  # (n, Hkv, d)
+    landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)  # (n, Hkv, d or 2d)
     Hkv = landmarks.shape[1]
     excluded = cache.gpu.read_outliers(layer, st.gpu_table, st.num_shadow)  # (Hkv, n)
     if cache.chunk_scorer is None:
-        scores = landmark_scores(q, landmarks, excluded, cache.spec.scale)  # (Hkv, n)
+        scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), landmarks, excluded,
+                                 cache.spec.scale)  # (Hkv, n)
     else:
         scores = cache.chunk_scorer.scores(layer, st, q, excluded, cache.spec.scale)
     selected = select_chunks(scores, k)  # (Hkv, k)

@@ -23,6 +23,7 @@ from kernels.rebuild_keys import rebuild_keys
 from kernels.topk import topk_indices
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.shadowkv.plan import DecodePlan
+from shadowkv_core.shadowkv.reference import scoring_query
 
 
 class FetchShape(NamedTuple):
@@ -81,8 +82,8 @@ def end_decode_layer(cache, pending: PendingLayer) -> torch.Tensor:
 
 def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
     """Score the landmarks and pick the top-k chunks -> (B, Hkv, k_max), by score as reference.select_chunks."""
-    scores = landmark_scores(q, cache.gpu.landmarks[layer], plan.gpu_table, plan.num_chunks,
-                             cache.gpu.outlier_flags[layer], plan.n_max, cache.spec.scale,
+    scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), cache.gpu.landmarks[layer], plan.gpu_table,
+                             plan.num_chunks, cache.gpu.outlier_flags[layer], plan.n_max, cache.spec.scale,
                              landmark_scales=cache.gpu.landmark_scales_of(layer))
     return topk_indices(scores, plan.k_max)
 

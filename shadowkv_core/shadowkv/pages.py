@@ -20,7 +20,7 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
 
 
 class GpuPages:
-    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (fp8 landmarks: and their scales
+    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (bounds: 2d; fp8: and their scales
     (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv) uint8, 1 where the chunk is one of its KV head's outliers
     (kept exact in the slot, so never scored): the scoring kernel reads one byte beside each landmark instead of
     comparing every chunk with the outlier list."""
@@ -32,7 +32,8 @@ class GpuPages:
         self.page_tokens = page_chunks * config.chunk_size
         self.u = torch.zeros(L, num_pages, self.page_tokens, config.rank, dtype=spec.dtype, device=dev)
         fp8 = config.landmark_format == "fp8"
-        self.landmarks = torch.zeros(L, num_pages, page_chunks, Hkv, d, dtype=FP8 if fp8 else spec.dtype, device=dev)
+        self.landmarks = torch.zeros(L, num_pages, page_chunks, Hkv, d * config.landmark_width,
+                                     dtype=FP8 if fp8 else spec.dtype, device=dev)
         self.landmark_scales = torch.ones(L, num_pages, page_chunks, Hkv, device=dev) if fp8 else None
         self.outlier_flags = torch.zeros(L, num_pages, page_chunks, Hkv, dtype=torch.uint8, device=dev)
         commit_host_pages(*self.buffers)
@@ -59,8 +60,8 @@ class GpuPages:
         return self.u[layer][locate(table, positions, self.page_tokens)]
 
     def write_landmarks(self, layers: slice | int, table: torch.Tensor, start: int, lm: torch.Tensor) -> None:
-        """Landmarks ([L,] n, Hkv, d) of chunks [start, start + n), for one layer or a slice of layers; the chunks are
-        not outliers (mark_outliers)."""
+        """Landmarks ([L,] n, Hkv, d or 2d) of chunks [start, start + n), for one layer or a slice of layers; the
+        chunks are not outliers (mark_outliers)."""
         rows = torch.arange(start, start + lm.shape[-3], device=table.device)
         page, offset = locate(table, rows, self.page_chunks)
         # a device scalar: index_put_ copies a Python one to the device with a blocking copy (a sync)
@@ -71,7 +72,7 @@ class GpuPages:
         self.landmarks[layers, page, offset] = lm.to(self.landmarks.dtype)
 
     def read_landmarks(self, layer: int, table: torch.Tensor, num_chunks: int) -> torch.Tensor:
-        """Landmarks of chunks [0, num_chunks): (n, Hkv, d); fp8 ones dequantised to fp32 (value * scale, as the
+        """Landmarks of chunks [0, num_chunks): (n, Hkv, d or 2d); fp8 ones dequantised to fp32 (value * scale, as the
         scoring kernel's logits take them)."""
         rows = torch.arange(num_chunks, device=table.device)
         where = locate(table, rows, self.page_chunks)

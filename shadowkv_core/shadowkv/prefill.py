@@ -99,20 +99,19 @@ def build_shadow(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: t
     if cache.chunk_scorer is not None:  # even with no shadow chunks yet: the window's folds extend what it keeps
         cache.chunk_scorer.prefill(layer, st, q, k_rot, C, cache.spec.scale)
     if st.num_shadow:
-        landmarks = chunk_landmarks(k_rot[:middle], C)  # (n, Hkv, d)
-        cache.gpu.write_landmarks(layer, st.gpu_table, 0, landmarks)
+        cache.gpu.write_landmarks(layer, st.gpu_table, 0,
+                                  chunk_landmarks(k_rot[:middle], C, cache.config.landmark_kind))  # (n, Hkv, d or 2d)
         cache.host.write(layer, st.value_table, 0, v[:middle])
         if st.num_outliers:
-            store_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks)
+            store_outliers(cache, layer, st, k_rot[:middle], v[:middle])
     slots.window_k[st.slot, layer, :st.window_len] = k_rot[middle:]
     slots.window_v[st.slot, layer, :st.window_len] = v[middle:]
 
 
-def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
-                   landmarks: torch.Tensor) -> None:
-    """Keep the outlier chunks of the shadow exact in the slot. k_rot, v (n*C, Hkv, d); landmarks (n, Hkv, d)."""
+def store_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor) -> None:
+    """Keep the outlier chunks of the shadow exact in the slot. k_rot, v (n*C, Hkv, d)."""
     slots, C = cache.slots, cache.config.chunk_size
-    ids = find_outlier_chunks(k_rot, landmarks, C, st.num_outliers)  # (Hkv, O)
+    ids = find_outlier_chunks(k_rot, C, st.num_outliers)  # (Hkv, O)
     Hkv, O = ids.shape
     tokens = (ids[:, :, None] * C + torch.arange(C, device=ids.device)).view(Hkv, O * C)  # (Hkv, O*C)
     heads = torch.arange(Hkv, device=ids.device)[:, None]
@@ -156,12 +155,12 @@ def append_suffix(cache, layer: int, st: SequenceState, k_pre: torch.Tensor, k_r
     cache.gpu.write_u(layer, st.gpu_table, P, project_keys(k_pre, slots.sv[st.slot, layer]))
     middle = st.num_shadow * C - P  # new tokens that enter the shadow
     if middle:
-        landmarks = chunk_landmarks(k_rot[:middle], C)
-        cache.gpu.write_landmarks(layer, st.gpu_table, P // C, landmarks)
+        cache.gpu.write_landmarks(layer, st.gpu_table, P // C, chunk_landmarks(k_rot[:middle], C,
+                                                                                cache.config.landmark_kind))
         cache.host.write(layer, st.value_table, P, v[:middle])
         adopted = adopted_outliers(cache, layer, st)
         if min(adopted) < st.num_outliers:
-            make_up_outliers(cache, layer, st, k_rot[:middle], v[:middle], landmarks, adopted)
+            make_up_outliers(cache, layer, st, k_rot[:middle], v[:middle], adopted)
     slots.window_k[st.slot, layer, :st.window_len] = k_rot[middle:]
     slots.window_v[st.slot, layer, :st.window_len] = v[middle:]
 
@@ -216,12 +215,12 @@ def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int,
 
 
 def make_up_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
-                     landmarks: torch.Tensor, adopted: list[int]) -> None:
+                     adopted: list[int]) -> None:
     """A KV head that adopted fewer than st.num_outliers outliers keeps as many more exact: the new shadow chunks
-    its landmarks approximate worst (the slot keeps one count for all heads). k_rot, v (m*C, Hkv, d) and landmarks
-    (m, Hkv, d) of the new shadow chunks; adopted: outliers per head in the prefix."""
+    their means approximate worst (the slot keeps one count for all heads). k_rot, v (m*C, Hkv, d) of the new shadow
+    chunks; adopted: outliers per head in the prefix."""
     slots, C, O, first = cache.slots, cache.config.chunk_size, st.num_outliers, st.cached // cache.config.chunk_size
-    worst = find_outlier_chunks(k_rot, landmarks, C, O - min(adopted))  # (Hkv, D), ascending
+    worst = find_outlier_chunks(k_rot, C, O - min(adopted))  # (Hkv, D), ascending
     # (head, its j-th made-up chunk, the slot's chunk it goes to) of every head's first O - a worst chunks
     made_up = [(h, j, a + j) for h, a in enumerate(adopted) for j in range(O - a)]
     heads, j, dst = to_device(made_up, torch.int64, k_rot.device).T  # (M,) each

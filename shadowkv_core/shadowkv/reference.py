@@ -82,22 +82,32 @@ def project_keys(k_pre: torch.Tensor, sv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("nhd,hrd->nr", k_pre.float(), sv.float())
 
 
-def chunk_landmarks(k_rot: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Landmarks: mean of each chunk's post-RoPE keys. k_rot (n*C, Hkv, d) -> (n, Hkv, d)."""
+def chunk_landmarks(k_rot: torch.Tensor, chunk_size: int, kind: str = "mean") -> torch.Tensor:
+    """Landmarks of each chunk's post-RoPE keys (ShadowKVConfig.landmark_kind). k_rot (n*C, Hkv, d) -> "mean":
+    their mean (n, Hkv, d); "bounds": their per-dimension centre and half-range side by side (n, Hkv, 2d), which
+    scoring_query's [q, |q|] turns into the bound q·centre + |q|·half-range >= q·k of every key k of the chunk."""
     S, Hkv, d = k_rot.shape
     chunks = k_rot.float().view(S // chunk_size, chunk_size, Hkv, d)  # (n, C, Hkv, d)
-    return chunks.mean(1).to(k_rot.dtype)
+    if kind == "mean":
+        return chunks.mean(1).to(k_rot.dtype)
+    low, high = chunks.amin(1), chunks.amax(1)
+    return torch.cat([(high + low) / 2, (high - low) / 2], -1).to(k_rot.dtype)
 
 
-def find_outlier_chunks(k_rot: torch.Tensor, landmarks: torch.Tensor, chunk_size: int,
-                        num_outliers: int) -> torch.Tensor:
-    """Per KV head, the chunks whose tokens are worst approximated by their landmark.
+def scoring_query(q: torch.Tensor, kind: str) -> torch.Tensor:
+    """The query a landmark of this kind is scored with: q (..., d) itself for a mean, [q, |q|] (..., 2d) for
+    bounds (q·centre + |q|·half-range is, per dimension, the larger of q times either bound)."""
+    return q if kind == "mean" else torch.cat([q, q.abs()], -1)
 
-    k_rot (n*C, Hkv, d), landmarks (n, Hkv, d) -> chunk ids (Hkv, O) int64, ascending: the O chunks with the lowest
-    minimum cosine similarity between a token and its chunk's landmark."""
+
+def find_outlier_chunks(k_rot: torch.Tensor, chunk_size: int, num_outliers: int) -> torch.Tensor:
+    """Per KV head, the chunks whose tokens are worst approximated by their mean (whatever landmark is kept).
+
+    k_rot (n*C, Hkv, d) -> chunk ids (Hkv, O) int64, ascending: the O chunks with the lowest minimum cosine
+    similarity between a token and its chunk's mean."""
     S, Hkv, d = k_rot.shape
     chunks = k_rot.float().view(S // chunk_size, chunk_size, Hkv, d)  # (n, C, Hkv, d)
-    cos = torch.cosine_similarity(chunks, landmarks.float()[:, None], dim=-1)  # (n, C, Hkv)
+    cos = torch.cosine_similarity(chunks, chunks.mean(1, keepdim=True), dim=-1)  # (n, C, Hkv)
     worst = cos.amin(1).T  # (Hkv, n)
     ids = worst.topk(num_outliers, dim=-1, largest=False).indices  # (Hkv, O)
     return ids.sort(-1).values
@@ -106,7 +116,8 @@ def find_outlier_chunks(k_rot: torch.Tensor, landmarks: torch.Tensor, chunk_size
 def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, excluded: torch.Tensor, scale: float) -> torch.Tensor:
     """How much each chunk matters to one sequence's decode query, per KV head.
 
-    q (Hq, d), landmarks (n, Hkv, d), excluded (Hkv, n) bool (outlier chunks, attended exactly anyway)
+    q (Hq, d), landmarks (n, Hkv, d), excluded (Hkv, n) bool (outlier chunks, attended exactly anyway); bounds
+    landmarks (n, Hkv, 2d) take scoring_query's q (Hq, 2d)
     -> scores (Hkv, n) fp32: softmax over the sequence's chunks of q·landmarksᵀ·scale per query head, excluded
     chunks at -inf, then the max over each GQA group. Excluded chunks score -inf, so top-k never picks them."""
     Hq, d = q.shape
