@@ -36,7 +36,8 @@ def run_batch(model: str, cfg: ShadowKVConfig, context: int, batch: int, max_new
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype).removeprefix("torch."),
                                     load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
                                     max_model_len=context + max_new, max_prefill_tokens=context, max_waiting=batch + 1,
-                                    gpu_cache_gib=gpu_budget / mm.GIB, host_cache_gib=host_budget / mm.GIB))
+                                    gpu_cache_gib=gpu_budget / mm.GIB, host_cache_gib=host_budget / mm.GIB,
+                                    prefill_step_tflop=None))  # whole prefills: the batch is resident before any ends
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
