@@ -1,7 +1,8 @@
 """Landmark scoring for a ragged decode batch: q·landmarksᵀ, softmax over each sequence's chunks, max over the GQA
 group. Reference: shadowkv_core.shadowkv.batched_reference.landmark_scores_batched.
 
-Shapes (B sequences, Hq = Hkv * G query heads, d head_dim, P pages of PAGE_CHUNKS chunks, n_max chunks):
+Shapes (B sequences, Hq = Hkv * G query heads, d the landmark width: head_dim, or 2·head_dim for bounds landmarks
+scored against their [q, |q|] query; P pages of PAGE_CHUNKS chunks, n_max chunks):
   q            (B, Hq, d)                      bf16/fp16/fp32, contiguous
   landmarks    (P, PAGE_CHUNKS, Hkv, d)        one layer of the GPU pages, contiguous
   page_table   (B, max_pages) int32            physical page of each logical page of each sequence

@@ -59,12 +59,15 @@ def test_landmark_scores_fp8_landmarks_scale_each_chunk(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 2])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("context,batch", [(32 * 1024, 16), (128 * 1024, 4)])
-def test_landmark_scores_llama(context, batch, fp8):
+def test_landmark_scores_llama(context, batch, fp8, width):
+    """width: landmark numbers per KV head in head dims; 2 is bounds landmarks (centre and half-range), which the
+    kernel scores as landmarks twice as wide against their [q, |q|] query."""
     C = LLAMA["chunk_size"]
     num_chunks = ragged_lengths(context // C, batch, seed=batch)
-    _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["outliers"], 16,
+    _check(num_chunks, LLAMA["num_q_heads"], LLAMA["num_kv_heads"], width * LLAMA["head_dim"], LLAMA["outliers"], 16,
            torch.bfloat16, "cuda", fp8=fp8)
 
 
