@@ -258,8 +258,9 @@ def test_outlier_flags_follow_the_landmarks_through_page_reuse():
     """mark_outliers flags exactly the given chunks of each KV head; writing landmarks over a reused page clears its
     flags, so a later sequence on that page inherits no outliers."""
     pages = GpuPages(CacheSpec(L, HQ, HKV, D, SCALE), full_config(rank=3, chunk_size=2, sparse_budget=8), num_pages=6)
+    width = pages.landmarks.shape[-1]  # D, or 2D for bounds landmarks
     table = torch.tensor([4, 0, 2])
-    pages.write_landmarks(1, table, 0, torch.randn(10, HKV, D))
+    pages.write_landmarks(1, table, 0, torch.randn(10, HKV, width))
     ids = torch.tensor([[0, 5, 9], [2, 5, 7]])  # (Hkv, O)
     pages.mark_outliers(1, table, ids)
     expected = torch.zeros(HKV, 10, dtype=torch.bool)
@@ -267,7 +268,7 @@ def test_outlier_flags_follow_the_landmarks_through_page_reuse():
     assert torch.equal(pages.read_outliers(1, table, 10), expected)
     assert not pages.read_outliers(0, table, 10).any()  # another layer
     reused = torch.tensor([5, 2, 3, 0, 1, 4])  # every page, the three flagged ones among them
-    pages.write_landmarks(slice(None), reused, 0, torch.randn(L, 24, HKV, D))
+    pages.write_landmarks(slice(None), reused, 0, torch.randn(L, 24, HKV, width))
     assert not pages.read_outliers(1, reused, 24).any()
 
 
