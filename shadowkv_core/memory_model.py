@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="host values: model dtype or fp8")
     parser.add_argument("--landmark-format", choices=VALUE_FORMATS, default="model",
                         help="landmarks: model dtype or fp8")
-    parser.add_argument("--landmark-kind", choices=LANDMARK_KINDS, default=LANDMARK_KINDS[0],
+    parser.add_argument("--landmark-kind", choices=LANDMARK_KINDS, default=ShadowKVConfig.landmark_kind,
                         help="bounds (2·d numbers a chunk and KV head) or the paper's mean (d)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="dense cache: model dtype or fp8")

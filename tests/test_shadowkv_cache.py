@@ -252,6 +252,8 @@ def test_footprint_is_what_the_buffers_take():
 def test_config_checked_against_the_model():
     with pytest.raises(ValueError, match="rank"):
         make_cache(full_config(rank=HKV * D + 1))
+    with pytest.raises(ValueError, match="landmark_kind must be one of"):
+        full_config(landmark_kind="max")
 
 
 def test_outlier_flags_follow_the_landmarks_through_page_reuse():
