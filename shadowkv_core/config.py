@@ -33,6 +33,9 @@ class ShadowKVConfig:
     """How a long sequence's KV cache is kept "in shadows" (glossary in DESIGN.md).
 
     rank: kept rank of the pre-RoPE key factorisation over all KV heads of a layer concatenated.
+    layer_ranks: each layer's own rank instead (one per layer, their mean `rank`, so the memory is rank's): a layer
+        whose keys need more rank takes it from one whose keys need less (shadowkv.ranks calibrates them from the
+        model's keys on a text). None: every layer at `rank`.
     chunk_size: tokens per chunk. sparse_budget: tokens selected per KV head per decode step.
     outlier_chunks / local_chunks: chunks kept exact on the GPU. min_context: a sequence whose prompt and generation
     fit in this many tokens stays dense (see stays_dense).
@@ -66,9 +69,18 @@ class ShadowKVConfig:
     landmark_format: str = "model"
     landmark_kind: str = "bounds"
     device_value_share: float | str = AUTO
+    layer_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        if self.layer_ranks is not None:
+            _require(isinstance(self.layer_ranks, (list, tuple)) and len(self.layer_ranks) > 0
+                     and all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in self.layer_ranks),
+                     f"layer_ranks must be a list of ranks >= 1, one per layer, got {self.layer_ranks!r}")
+            object.__setattr__(self, "layer_ranks", tuple(self.layer_ranks))
+            _require(sum(self.layer_ranks) == len(self.layer_ranks) * self.rank,
+                     f"layer_ranks {list(self.layer_ranks)} must average to rank ({self.rank}): they share its "
+                     f"memory, {len(self.layer_ranks) * self.rank} in all, not {sum(self.layer_ranks)}")
         _require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         _require(self.sparse_budget >= self.chunk_size,
                  f"sparse_budget ({self.sparse_budget}) must be at least one chunk ({self.chunk_size} tokens)")
@@ -104,11 +116,19 @@ class ShadowKVConfig:
         """Numbers a landmark keeps per KV head, in head dims: 1 (mean) or 2 (bounds)."""
         return 2 if self.landmark_kind == "bounds" else 1
 
-    def check_model(self, num_kv_heads: int, head_dim: int) -> None:
+    def layer_rank(self, layer: int) -> int:
+        """The rank a layer's keys are kept at."""
+        return self.rank if self.layer_ranks is None else self.layer_ranks[layer]
+
+    def check_model(self, num_kv_heads: int, head_dim: int, num_layers: int) -> None:
         """Raise if this config cannot apply to a model of this geometry."""
         width = num_kv_heads * head_dim
-        _require(self.rank <= width,
-                 f"rank ({self.rank}) is larger than kv_heads*head_dim ({num_kv_heads}*{head_dim}={width}) "
+        if self.layer_ranks is not None:
+            _require(len(self.layer_ranks) == num_layers,
+                     f"layer_ranks has {len(self.layer_ranks)} ranks; this model has {num_layers} layers")
+        top = max(self.layer_ranks or (self.rank,))
+        _require(top <= width,
+                 f"rank ({top}) is larger than kv_heads*head_dim ({num_kv_heads}*{head_dim}={width}) "
                  "of this model: the pre-RoPE keys have no more than that many dimensions")
 
 

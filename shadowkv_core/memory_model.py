@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ShadowKVConfig(rank=args.rank // tp, sparse_budget=args.sparse_budget, chunk_size=args.chunk_size,
                          outlier_chunks=args.outlier_chunks, value_format=args.value_format, device_value_share=share,
                          landmark_format=args.landmark_format, landmark_kind=args.landmark_kind)
-    cfg.check_model(g.num_kv_heads, g.head_dim)
+    cfg.check_model(g.num_kv_heads, g.head_dim, g.num_layers)
     gpu, host = int(args.gpu_gib * GIB), int(args.host_gib * GIB)
     print(f"model {args.model}: weights {g.weight_bytes / GIB:.1f} GiB; GPU {args.gpu_gib} GiB, "
           f"host {args.host_gib} GiB" + (f" (one of {tp} tensor-parallel ranks)" if tp > 1 else ""))

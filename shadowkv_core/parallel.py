@@ -71,7 +71,9 @@ def rank_shadowkv(cfg: ShadowKVConfig | None, size: int) -> ShadowKVConfig | Non
     its own heads at rank/size (the same U bytes in all, no communication)."""
     if cfg is None or size == 1:
         return cfg
-    if cfg.rank % size:
-        raise ValueError(f"shadowkv rank {cfg.rank} must be a multiple of tensor_parallel_size {size}: each rank "
-                         "factorises its own KV heads at rank/tensor_parallel_size")
-    return dataclasses.replace(cfg, rank=cfg.rank // size)
+    for r in (cfg.rank, *(cfg.layer_ranks or ())):
+        if r % size:
+            raise ValueError(f"shadowkv rank {r} must be a multiple of tensor_parallel_size {size}: each rank "
+                             "factorises its own KV heads at rank/tensor_parallel_size")
+    layer_ranks = None if cfg.layer_ranks is None else tuple(r // size for r in cfg.layer_ranks)
+    return dataclasses.replace(cfg, rank=cfg.rank // size, layer_ranks=layer_ranks)

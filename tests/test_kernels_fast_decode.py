@@ -60,11 +60,11 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
     ("fp8", 0.3, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.3, "fp8", "bounds")])
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, kind, device=DEVICE,
-                                      prompt_lens=(150, 61, 97), steps=12):
+                                      prompt_lens=(150, 61, 97), steps=12, layer_ranks=None):
     """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
-    landmarks, kind: their format and kind on both."""
+    landmarks, kind: their format and kind on both. layer_ranks: each layer's keys at its own rank."""
     caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
-                                landmark_format=landmarks, landmark_kind=kind)
+                                landmark_format=landmarks, landmark_kind=kind, layer_ranks=layer_ranks)
     if fast_share:
         assert caches[1].manager.device_value_pages.num_free < caches[1].manager.device_value_pages.num_blocks
     for step in range(steps):
@@ -83,6 +83,17 @@ def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks
 def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share, landmarks, kind):
     test_fast_decode_equals_reference(torch.bfloat16, value_format, fast_share, landmarks, kind, device="cuda",
                                       prompt_lens=(1500, 611, 977, 2048), steps=20)
+
+
+def test_fast_decode_equals_reference_with_layer_ranks():
+    """Each layer at its own rank, neither a power of two (mean 48): the kernels take each layer's U and basis."""
+    test_fast_decode_equals_reference(torch.float32, "fp8", 0.3, "fp8", "bounds", layer_ranks=(33, 63))
+
+
+@pytest.mark.gpu
+def test_fast_decode_equals_reference_with_layer_ranks_gpu_bf16():
+    test_fast_decode_equals_reference(torch.bfloat16, "fp8", 0.4, "fp8", "bounds", device="cuda",
+                                      prompt_lens=(1500, 611, 977, 2048), steps=20, layer_ranks=(33, 63))
 
 
 def test_fast_decode_generates_the_reference_tokens(value_format="model", device=DEVICE, dtype="float32",

@@ -54,11 +54,15 @@ def test_weight_bytes_equal_the_loaded_parameters(family, tmp_path):
 @pytest.mark.parametrize("value_format,share,landmarks,kind", [
     ("model", 0.0, "model", "mean"), ("fp8", 0.0, "model", "mean"), ("model", 0.4, "fp8", "mean"),
     ("fp8", 0.55, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.4, "fp8", "bounds")])
-def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share, landmarks, kind):
-    path = build_tiny_model(tmp_path)
+@pytest.mark.parametrize("layer_ranks", [None, "uneven"])
+def test_predicted_bytes_equal_the_engines_allocations_exactly(tmp_path, value_format, share, landmarks, kind,
+                                                               layer_ranks):
+    """layer_ranks "uneven": each layer at its own rank, their mean the config's rank: the same bytes."""
+    path = build_tiny_model(tmp_path)  # 2 layers, keys 32 wide
     cfg = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=64, outlier_chunks=3, local_chunks=2,
                          min_context=32, decode_window=16, page_chunks=4, value_format=value_format,
-                         device_value_share=share, landmark_format=landmarks, landmark_kind=kind)
+                         device_value_share=share, landmark_format=landmarks, landmark_kind=kind,
+                         layer_ranks=(17, 31) if layer_ranks else None)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=3, shadowkv=cfg, gpu_cache_gib=0.005,
                                     host_cache_gib=0.002, max_model_len=1024))
     cache, shadow = engine.cache, engine.cache.shadow

@@ -112,6 +112,50 @@ def test_fp8_values_full_budget_stay_within_e4m3_precision_of_dense():
     assert cache.shadow.host.values.dtype == torch.float8_e4m3fn
 
 
+def layer_outputs(cache, prompt_lens, steps, seed=0):
+    """Every layer's attention output at every forward of generate's random tokens: {layer: [tensors]}."""
+    outputs = {layer: [] for layer in range(L)}
+    attend = cache.attend
+
+    def recording(layer, *args):
+        out = attend(layer, *args)
+        outputs[layer].append(out)
+        return out
+
+    cache.attend = recording
+    generate(cache, prompt_lens, steps, seed)
+    return outputs
+
+
+def test_each_layer_keeps_its_own_rank():
+    """layer_ranks (16, 8), mean 12: layer 0 is served as a cache of rank 16 serves it, layer 1 as one of rank 8
+    (a budget that selects, so the rank shows in the rebuilt keys and the choice), and each layer's U rows and
+    bases are its rank wide."""
+    sparse = dict(sparse_budget=8, outlier_chunks=1)
+    mixed = make_cache(full_config(rank=12, layer_ranks=(16, 8), **sparse))
+    assert [u.shape[-1] for u in mixed.shadow.gpu.u] == [16, 8]
+    assert [sv.shape[2] for sv in mixed.shadow.slots.sv] == [16, 8]
+    got = layer_outputs(mixed, [37, 50, 23], steps=12)
+    for layer, rank in ((0, 16), (1, 8)):
+        expect = layer_outputs(make_cache(full_config(rank=rank, **sparse)), [37, 50, 23], steps=12)
+        assert len(got[layer]) == len(expect[layer]) == 13
+        for a, b in zip(got[layer], expect[layer]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    other = layer_outputs(make_cache(full_config(rank=8, **sparse)), [37, 50, 23], steps=12)
+    assert max((a - b).abs().max().item() for a, b in zip(got[0], other[0])) > 1e-3  # rank 8 differs on layer 0
+
+
+def test_layer_ranks_must_fit_the_model_and_average_to_rank():
+    with pytest.raises(ValueError, match="average to rank"):
+        full_config(rank=12, layer_ranks=(16, 10))
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        full_config(rank=12, layer_ranks=(24, 0))
+    with pytest.raises(ValueError, match="3 ranks; this model has 2 layers"):
+        make_cache(full_config(rank=12, layer_ranks=(12, 12, 12)))
+    with pytest.raises(ValueError, match=r"rank \(20\) is larger than kv_heads\*head_dim"):
+        make_cache(full_config(rank=12, layer_ranks=(20, 4)))
+
+
 @pytest.mark.parametrize("rope_scaling,partial", [({"rope_type": "dynamic", "factor": 2.0}, 1.0), (None, 0.5)])
 def test_model_rotary_including_length_dependent_rope(rope_scaling, partial):
     """The model's RotaryEmbedding: dynamic NTK (frequencies depend on the sequence length, which passes 32 mid-run)

@@ -152,7 +152,7 @@ def test_a_conversation_reuses_each_turns_prompt_and_answer(tiny_path, cold, mon
     # every turn's record holds the first turn's basis (adopted, never copied), counted once in the cached bytes
     manager = shadow_of(llm.engine)
     records = {id(record): record for _, record in manager.cached.values()}
-    assert len(records) == 3 and len({record.sv.data_ptr() for record in records.values()}) == 1
+    assert len(records) == 3 and len({record.sv[0].data_ptr() for record in records.values()}) == 1
     assert consistent(manager)
     assert settled(llm.engine)
 

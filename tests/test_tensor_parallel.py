@@ -144,6 +144,13 @@ def test_bad_splits_are_refused(tiny_path):
         rank_spec(spec, 4)
     with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
         rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=33), 2)
+    with pytest.raises(ValueError, match="shadowkv rank 21 must be a multiple of tensor_parallel_size"):
+        rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=24, layer_ranks=(27, 21)), 2)
+
+
+def test_each_rank_keeps_its_share_of_every_layers_rank():
+    per_rank = rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=24, layer_ranks=(32, 16)), 2)
+    assert (per_rank.rank, per_rank.layer_ranks) == (12, (16, 8))
 
 
 def test_memory_model_counts_one_ranks_weights_and_cache(tiny_path):

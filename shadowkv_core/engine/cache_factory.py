@@ -84,7 +84,7 @@ def build_cache(config: EngineConfig, spec, dtype: torch.dtype, device: torch.de
             raise ValueError(f"gpu_cache_gib: {budget} bytes hold no KV block of "
                              f"{mm.dense_block_bytes(g, config.block_size)} bytes")
         return DenseKVCache(cache_spec, pools.num_dense_blocks, config.block_size, config.enable_prefix_caching)
-    config.shadowkv.check_model(spec.num_kv_heads, spec.head_dim)
+    config.shadowkv.check_model(spec.num_kv_heads, spec.head_dim, spec.num_layers)
     cfg = resolve_device_value_share(config, g, budget, max_model_len)
     host = host_cache_bytes(config, _host_wanted(g, cfg, budget, config))
     pools = mm.plan_pools(g, cfg, budget, host, config.max_num_seqs, config.block_size)

@@ -35,7 +35,7 @@ class ShadowKVCache(KVCache):
 
     def __init__(self, spec: CacheSpec, config: ShadowKVConfig, pools: Pools, rotary,
                  placement: NumaPlacement | None = None, prefix_caching: bool = False):
-        config.check_model(spec.num_kv_heads, spec.head_dim)
+        config.check_model(spec.num_kv_heads, spec.head_dim, spec.num_layers)
         self.spec, self.config, self.rotary, self.device = spec, config, rotary, spec.device
         self.gpu = GpuPages(spec, config, pools.num_gpu_pages)
         self.host = HostValueStore(spec.num_layers, pools.num_host_pages, self.gpu.page_tokens, spec.num_kv_heads,
@@ -133,7 +133,7 @@ class ShadowKVCache(KVCache):
         shared, states = {}, self._states(meta)
         for st, start, n in zip(states, meta.query_starts, meta.query_lens):
             if not st.cached:
-                st.factors = start_factorization(self, k_pre[start:start + n])
+                st.factors = start_factorization(self, layer, k_pre[start:start + n])
         return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n], shared)
                 for st, start, n in zip(states, meta.query_starts, meta.query_lens)]
 
@@ -186,7 +186,7 @@ class ShadowKVCache(KVCache):
             return torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda").copy_(
                 src, non_blocking=True)
 
-        sv = adopted.sv if adopted is not None else host_copy(self.slots.sv, None)
+        sv = adopted.sv if adopted is not None else tuple(host_copy(layer_sv, None) for layer_sv in self.slots.sv)
         outliers = ((adopted.outlier_k, adopted.outlier_v) if same_outliers
                     else (host_copy(self.slots.outlier_k, O), host_copy(self.slots.outlier_v, O)))
         # waits for the copies above too: the manager indexes the pages by these counts now

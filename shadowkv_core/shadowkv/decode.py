@@ -16,7 +16,7 @@ def decode_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: t
     """One token: append it exactly to the window (and its U row to the shadow), then attend over
     [outliers | selected chunks | window]. q (Hq, d); k_pre, k_rot, v (Hkv, d) -> (Hq, d)."""
     slots, s = cache.slots, st.slot
-    cache.gpu.write_u(layer, st.gpu_table, st.seq_len, project_keys(k_pre[None], slots.sv[s, layer]))
+    cache.gpu.write_u(layer, st.gpu_table, st.seq_len, project_keys(k_pre[None], slots.sv[layer][s]))
     slots.window_k[s, layer, st.window_len] = k_rot
     slots.window_v[s, layer, st.window_len] = v
     n_out = st.num_outliers * cache.config.chunk_size
@@ -76,7 +76,7 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     chunks = resident[heads, slot_ids]  # (M,)
     positions = chunks[:, None] * C + torch.arange(C, device=chunks.device)  # (M, C)
     u_rows = cache.gpu.read_u(layer, st.gpu_table, positions)  # (M, C, r)
-    sv = slots.sv[s, layer][heads]  # (M, r, d)
+    sv = slots.sv[layer][s][heads]  # (M, r, d)
     keys = rebuild_keys(u_rows, sv, positions, cache.rotary, rope_lens(cache, st, positions))  # (M, C, d)
     values = cache.host.gather(layer, st.value_table, chunks, heads, C)  # (M, C, d) on the host
     Hkv, K = miss.shape

@@ -59,7 +59,7 @@ def begin_decode_layer(cache, layer: int, plan: DecodePlan, q: torch.Tensor, k_p
                        k_rot: torch.Tensor, v: torch.Tensor) -> PendingLayer:
     """Append the new tokens, select, and queue the misses' rebuild and fetch; returns without waiting for them."""
     slots = cache.slots
-    append_token(k_pre, k_rot, v, slots.sv[:, layer], plan.slot_ids, cache.gpu.u[layer], plan.token_page,
+    append_token(k_pre, k_rot, v, slots.sv[layer], plan.slot_ids, cache.gpu.u[layer], plan.token_page,
                  plan.token_row, slots.window_k[:, layer], slots.window_v[:, layer], plan.window_pos)
     if plan.k_max == 0:
         return PendingLayer(layer, plan, q, [], None)
@@ -95,7 +95,7 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
                           miss_total=plan.misses)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
-    done = on_two_streams(cache.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[:, layer],
+    done = on_two_streams(cache.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
                    lambda: fetch_misses(cache, layer, plan, misses))

@@ -42,7 +42,7 @@ class ShadowRecord:
 
     lineage: tuple[int, ...]
     pages: list[int]
-    sv: torch.Tensor  # (L, Hkv, r, d)
+    sv: tuple[torch.Tensor, ...]  # per layer (Hkv, r, d), at the layer's rank
     outlier_k: torch.Tensor  # (L, Hkv, O*C, d), each head's outlier chunks in ascending order
     outlier_v: torch.Tensor
     outlier_counts: torch.Tensor  # (pages + 1, L, Hkv) int64
@@ -61,9 +61,9 @@ class ShadowRecord:
         return self.most_fewest[min(num_pages, len(self.most_fewest) - 1)]
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         """Its host tensors: a record that adopted another's basis and outliers unchanged holds that record's own."""
-        return self.sv, self.outlier_k, self.outlier_v
+        return *self.sv, self.outlier_k, self.outlier_v
 
 
 @dataclass
@@ -312,7 +312,7 @@ class ShadowKVManager(CacheManager):
                 st.value_table = torch.tensor(st.value_pages, dtype=torch.int64)
         self.on_move(list(moved), list(moved.values()))
 
-    def prefilled(self, seq_id: int, sv: torch.Tensor, outlier_k: torch.Tensor, outlier_v: torch.Tensor,
+    def prefilled(self, seq_id: int, sv: tuple[torch.Tensor, ...], outlier_k: torch.Tensor, outlier_v: torch.Tensor,
                   outlier_counts: torch.Tensor) -> None:
         """A sequence's prefill has run (prefix caching only): keep its record (sv, outliers: its slot's, on the host)
         and index its prompt's full pages that lie in the shadow."""

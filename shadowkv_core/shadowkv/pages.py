@@ -20,7 +20,7 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
 
 
 class GpuPages:
-    """Per layer and page: U rows (page_tokens, r), landmarks (page_chunks, Hkv, d) (bounds: 2d; fp8: and their scales
+    """Per layer and page: U rows (page_tokens, r) at the layer's rank (u: one tensor a layer), landmarks (page_chunks, Hkv, d) (bounds: 2d; fp8: and their scales
     (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv) uint8, 1 where the chunk is one of its KV head's outliers
     (kept exact in the slot, so never scored): the scoring kernel reads one byte beside each landmark instead of
     comparing every chunk with the outlier list."""
@@ -30,30 +30,39 @@ class GpuPages:
         self.num_pages = num_pages
         self.page_chunks = page_chunks = config.page_chunks
         self.page_tokens = page_chunks * config.chunk_size
-        self.u = torch.zeros(L, num_pages, self.page_tokens, config.rank, dtype=spec.dtype, device=dev)
+        self.u = [torch.zeros(num_pages, self.page_tokens, config.layer_rank(layer), dtype=spec.dtype, device=dev)
+                  for layer in range(L)]
         fp8 = config.landmark_format == "fp8"
         self.landmarks = torch.zeros(L, num_pages, page_chunks, Hkv, d * config.landmark_width,
                                      dtype=FP8 if fp8 else spec.dtype, device=dev)
         self.landmark_scales = torch.ones(L, num_pages, page_chunks, Hkv, device=dev) if fp8 else None
         self.outlier_flags = torch.zeros(L, num_pages, page_chunks, Hkv, dtype=torch.uint8, device=dev)
         commit_host_pages(*self.buffers)
-        self.page_bytes = sum(t[:, 0].numel() * t.element_size() for t in self.buffers)
+        self.page_bytes = sum(t[0].numel() * t.element_size() for t in self.u) + sum(
+            t[:, 0].numel() * t.element_size() for t in self.layered)
+
+    @property
+    def layered(self) -> list[torch.Tensor]:
+        """The per-page tensors of every layer at once, each (L, num_pages, ...)."""
+        return [t for t in (self.landmarks, self.landmark_scales, self.outlier_flags) if t is not None]
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """Every per-page tensor, each (L, num_pages, ...)."""
-        return [t for t in (self.u, self.landmarks, self.landmark_scales, self.outlier_flags) if t is not None]
+        """Every per-page tensor: U's, one a layer (num_pages, ...), and the layered ones."""
+        return [*self.u, *self.layered]
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         """Pages src (every layer, every buffer) into pages dst."""
-        src_ids, dst_ids = (torch.tensor(p, device=self.u.device) for p in (src, dst))
-        for buf in self.buffers:
+        src_ids, dst_ids = (torch.tensor(p, device=self.landmarks.device) for p in (src, dst))
+        for u in self.u:
+            u[dst_ids] = u[src_ids]
+        for buf in self.layered:
             buf[:, dst_ids] = buf[:, src_ids]
 
     def write_u(self, layer: int, table: torch.Tensor, start: int, u: torch.Tensor) -> None:
         """U rows (n, r) of tokens [start, start + n)."""
         rows = torch.arange(start, start + u.shape[0], device=table.device)
-        self.u[layer][locate(table, rows, self.page_tokens)] = u.to(self.u.dtype)
+        self.u[layer][locate(table, rows, self.page_tokens)] = u.to(self.u[layer].dtype)
 
     def read_u(self, layer: int, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """positions (*idx) -> U rows (*idx, r)."""

@@ -22,7 +22,7 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     """Exact causal attention over the whole prompt (after its adopted prefix, if any), then the layer's shadow.
     q (S, Hq, d); k_pre, k_rot, v (S, Hkv, d) of the tokens after the prefix -> (S, Hq, d)."""
     if not st.cached:
-        st.factors = start_factorization(cache, k_pre)
+        st.factors = start_factorization(cache, layer, k_pre)
     keys, values = prompt_keys_values(cache, layer, st, k_rot, v)
     out = prefill_attention_ref(q, keys, values, cache.spec.scale, cache.spec.prefill_chunk_tokens,
                                 cache.spec.prefill_attention)
@@ -30,15 +30,16 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
     return out
 
 
-def start_factorization(cache, k_pre: torch.Tensor) -> Factors:
-    """factorize_keys(k_pre, rank) begun: on CUDA on the cache's build stream, after the work queued so far on the
+def start_factorization(cache, layer: int, k_pre: torch.Tensor) -> Factors:
+    """factorize_keys(k_pre, the layer's rank) begun: on CUDA on the cache's build stream, after the work queued so far on the
     current stream (which wrote k_pre), so that it runs beside the layer's attention slices queued next; elsewhere
     at once. take_factors ends it."""
+    rank = cache.config.layer_rank(layer)
     if cache.build_stream is None:
-        return Factors(*factorize_keys(k_pre, cache.config.rank))
+        return Factors(*factorize_keys(k_pre, rank))
     cache.build_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(cache.build_stream):
-        factors = Factors(*factorize_keys(k_pre, cache.config.rank), torch.cuda.Event())
+        factors = Factors(*factorize_keys(k_pre, rank), torch.cuda.Event())
         factors.done.record()
     k_pre.record_stream(cache.build_stream)  # read there: its memory is not reused before that stream is past it
     return factors
@@ -90,10 +91,10 @@ def build_shadow(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: t
         return
     slots, C = cache.slots, cache.config.chunk_size
     if st.factors is None:
-        st.factors = start_factorization(cache, k_pre)
+        st.factors = start_factorization(cache, layer, k_pre)
     u, sv = take_factors(st)  # (P, r), (Hkv, r, d)
     cache.gpu.write_u(layer, st.gpu_table, 0, u)
-    slots.sv[st.slot, layer] = sv.to(slots.sv.dtype)
+    slots.sv[layer][st.slot] = sv.to(slots.sv[layer].dtype)
     slots.resident[st.slot, layer] = -1  # the slot's sparse buffer holds nothing of this sequence yet
     middle = st.num_shadow * C
     if cache.chunk_scorer is not None:  # even with no shadow chunks yet: the window's folds extend what it keeps
@@ -131,7 +132,7 @@ def adopt_prefix(cache, layer: int, st: SequenceState, keys: torch.Tensor, value
 def adopt_slot(cache, layer: int, st: SequenceState) -> None:
     """The adopted basis and outliers of the sequence's prefix into its slot."""
     slots, record = cache.slots, st.adopted
-    slots.sv[st.slot, layer].copy_(record.sv[layer], non_blocking=True)  # (Hkv, r, d)
+    slots.sv[layer][st.slot].copy_(record.sv[layer], non_blocking=True)  # (Hkv, r, d)
     slots.resident[st.slot, layer] = -1
     # all the record's outlier rows, one contiguous copy: past a head's adopted ones append_suffix makes them up
     # (or, past st.num_outliers, nothing reads them)
@@ -152,7 +153,7 @@ def append_suffix(cache, layer: int, st: SequenceState, k_pre: torch.Tensor, k_r
     in: U rows projected on the adopted basis, landmarks and values of the chunks before the window (and outliers
     made up to st.num_outliers per head), the rest exact in the window. k_pre, k_rot, v (S, Hkv, d)."""
     slots, C, P = cache.slots, cache.config.chunk_size, st.cached
-    cache.gpu.write_u(layer, st.gpu_table, P, project_keys(k_pre, slots.sv[st.slot, layer]))
+    cache.gpu.write_u(layer, st.gpu_table, P, project_keys(k_pre, slots.sv[layer][st.slot]))
     middle = st.num_shadow * C - P  # new tokens that enter the shadow
     if middle:
         cache.gpu.write_landmarks(layer, st.gpu_table, P // C, chunk_landmarks(k_rot[:middle], C,
@@ -173,7 +174,7 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor,
     device = st.gpu_table.device
     positions = torch.arange(P, device=device)
     u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
-    k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[st.slot, layer].float())  # (P, Hkv, d)
+    k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[layer][st.slot].float())  # (P, Hkv, d)
     keys.copy_(cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)))
     Hkv, n = k_pre.shape[1], P // C
     if cache.spec.kernels:

@@ -6,8 +6,6 @@ chunks are shadow chunks whose keys and values are also kept exact in the slot, 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from shadowkv_core.cache.allocator import commit_host_pages
@@ -16,11 +14,11 @@ from shadowkv_core.config import ShadowKVConfig
 
 
 class Slots:
-    """sv (N, L, Hkv, r, d): each sequence's key basis; resident (N, L, Hkv, K): chunk id in each sparse slot, -1 empty;
+    """sv: one tensor a layer, (N, Hkv, r, d) at the layer's rank: each sequence's key basis; resident (N, L, Hkv, K): chunk id in each sparse slot, -1 empty;
     sparse_k/v (N, L, Hkv, K*C, d); outlier_k/v (N, L, Hkv, O*C, d);
     window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window."""
 
-    sv: torch.Tensor
+    sv: list[torch.Tensor]
     resident: torch.Tensor
     sparse_k: torch.Tensor
     sparse_v: torch.Tensor
@@ -35,19 +33,20 @@ class Slots:
         specs = self.buffer_specs(spec.num_layers, spec.num_kv_heads, spec.head_dim, config, spec.dtype)
         for name, (shape, dt) in specs.items():
             setattr(self, name, torch.zeros((num_slots, *shape), dtype=dt, device=spec.device))
-        self.buffers = [getattr(self, name) for name in specs]
+        self.sv = [torch.zeros(num_slots, spec.num_kv_heads, config.layer_rank(layer), spec.head_dim,
+                               dtype=spec.dtype, device=spec.device) for layer in range(spec.num_layers)]
+        self.buffers = [*self.sv, *(getattr(self, name) for name in specs)]
         commit_host_pages(*self.buffers)
-        self.slot_bytes = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
+        self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.buffers)
 
     @staticmethod
     def buffer_specs(num_layers: int, num_kv_heads: int, head_dim: int, config: ShadowKVConfig,
                      dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape (without the leading slot dimension) and dtype of each buffer of a slot."""
+        """Shape (without the leading slot dimension) and dtype of each buffer of a slot but the bases (sv)."""
         L, Hkv, d, C = num_layers, num_kv_heads, head_dim, config.chunk_size
         K, O = config.budget_chunks, config.outlier_chunks
         E = config.local_chunks * C + config.decode_window
         return {
-            "sv": ((L, Hkv, config.rank, d), dtype),
             "resident": ((L, Hkv, K), torch.int64),
             "sparse_k": ((L, Hkv, K * C, d), dtype), "sparse_v": ((L, Hkv, K * C, d), dtype),
             "outlier_k": ((L, Hkv, O * C, d), dtype), "outlier_v": ((L, Hkv, O * C, d), dtype),
