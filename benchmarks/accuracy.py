@@ -81,6 +81,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                     "templates": args.templates, "seconds": round(time.time() - began, 2), **extra}
             if hit_rates:
                 base["hit_rate"] = round(sum(hit_rates) / len(hit_rates), 4)
+            if args.calibrate_ranks and method not in DENSE:
+                base["layer_ranks"] = "calibrated"
             for depth in args.niah_depths if task == "niah_grid" else [None]:
                 chosen = [v for s, v in zip(samples, per_sample) if depth is None or _nearest(args, s) == depth]
                 mean, low, high = cell_interval(chosen)
@@ -99,7 +101,8 @@ def run_group(args, method: str, budget: float, task: str, context: int, samples
     share = args.quest_rank_share if method == "quest" else args.rank_share
 
     def engine(max_model_len: int, forced: bool = False, conversations: int = 0):
-        return build(args.model, method, context, budget, args.device, share, max_model_len, forced, conversations)
+        return build(args.model, method, context, budget, args.device, share, max_model_len, forced, conversations,
+                     args.calibrate_ranks)
 
     if task == MULTITURN:
         cached = method in CACHED
@@ -221,6 +224,9 @@ def main() -> None:
                              f"(their cells of other tasks are skipped, with a note); {', '.join(DIAGNOSTIC)}: only "
                              "when named")
     parser.add_argument("--rank-share", type=float, default=RANK_SHARE, help="ShadowKV's rank / (kv_heads*head_dim)")
+    parser.add_argument("--calibrate-ranks", metavar="TEXT_FILE", default=None,
+                        help="keep each layer's keys at its own rank, chosen on this text's keys with the mean rank "
+                             "the method's (ShadowKVConfig.layer_ranks, shadowkv.ranks); default: every layer at it")
     parser.add_argument("--quest-rank-share", type=float, default=1.0,
                         help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384])

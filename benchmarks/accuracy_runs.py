@@ -18,14 +18,19 @@ prompts, greedy; and the drivers of its two tasks that go beyond one prompt and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from pathlib import Path
 
+import torch
+
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.memory_model import GIB, load_geometry, seq_bytes
+from shadowkv_core.models import load_model
 from shadowkv_core.models.loader import read_config
 from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.quest import QuestScorer
+from shadowkv_core.shadowkv.ranks import allocate_ranks, key_spectra
 from training.data import EOS, Sample, score
 from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 
@@ -36,6 +41,7 @@ OUTLIER_CHUNKS = 8
 MAX_TOKENS = 80  # the longest answer (67 tokens) and its EOS, with room
 LONGGEN_TOKENS = 2048
 TIMED_DEVICE_VALUE_SHARE = 0.375  # the timed configuration's device tier (docs/benchmarks.md's headline)
+CALIBRATION_TOKENS = 8192  # the text's first bytes over which calibrated layer ranks are chosen (shadowkv.ranks)
 
 DENSE = ("dense", "dense_fp8", "dense_prefix")  # full attention: no budget
 SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer,
@@ -88,15 +94,32 @@ def method_config(model: str, method: str, context: int, budget: float, rank_sha
     return config
 
 
+@functools.lru_cache(maxsize=None)
+def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple[torch.Tensor, ...]:
+    """The model's per-layer key spectra over the first CALIBRATION_TOKENS bytes of a text (the byte-level models
+    this harness runs), once per model."""
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    decoder, spec = load_model(model, dtype, device)
+    text = Path(calibration_file).read_bytes()[:CALIBRATION_TOKENS]
+    return tuple(key_spectra(decoder, spec, list(text), device, dtype))
+
+
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
-          max_model_len: int, forced: bool = False, conversations: int = 0) -> LLM:
+          max_model_len: int, forced: bool = False, conversations: int = 0,
+          calibration_file: str | None = None) -> LLM:
     """The method's engine (a cached method's: its uncached method's). Every method but the TIMED ones runs the
     PyTorch reference decode path (the selection policies need it; the kernels equal it by test); those run
     what the engine does by default on the device. `forced`: each step read back before the next (teacher forcing
     rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
-    beyond CACHE_GIB (live, and their prefixes cached beside them)."""
+    beyond CACHE_GIB (live, and their prefixes cached beside them). calibration_file: the keys kept at per-layer
+    ranks calibrated on that text (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at
+    the method's rank."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
+    if config is not None and calibration_file is not None:
+        spectra = calibration_spectra(model, calibration_file, device)
+        if config.rank < len(spectra[0]):
+            config = dataclasses.replace(config, layer_ranks=allocate_ranks(list(spectra), config.rank))
     speed = {} if method in TIMED else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False
