@@ -147,24 +147,31 @@ def markdown(rows: list[dict]) -> str:
     for templates in sorted({r.get("templates", "ruler") for r in rows}):
         chosen = [r for r in rows if r.get("templates", "ruler") == templates]
         budgets = sorted({r["budget"] for r in chosen if r["method"] not in DENSE})
-        cols = methods(budgets, {r["method"] for r in chosen})
-        head = "| task | " + " | ".join(m if m in DENSE else f"{m} {b:.2%}" for m, b in cols) + " |"
+        # a method run with calibrated layer ranks (--calibrate-ranks) is a column of its own, after the method
+        cols = [(m, b, calibrated) for m, b in methods(budgets, {r["method"] for r in chosen})
+                for calibrated in (False, True) if any(_column(r) == (m, b, calibrated) for r in chosen)]
+        head = "| task | " + " | ".join((m if m in DENSE else f"{m} {b:.2%}") + (", calibrated ranks" if c else "")
+                                       for m, b, c in cols) + " |"
         rule = "|---" * (len(cols) + 1) + "|"
         tasks = [t for t in (*ALL_TASKS, "niah_grid") if any(r["task"] == t for r in chosen)]
 
         def cells(pick) -> list[str]:
-            return [combined([r for r in chosen if pick(r) and (r["method"], r["budget"]) == col]) for col in cols]
+            return [combined([r for r in chosen if pick(r) and _column(r) == col]) for col in cols]
 
         summary = [f"| {t} | " + " | ".join(cells(lambda r, t=t: r["task"] == t)) + " |" for t in tasks]
         summary.append("| **average (RULER tasks)** | " + " | ".join(cells(lambda r: r["task"] in TASKS)) + " |")
         every = [head.replace("| task |", "| task | context |"), rule + "---|"]
         for t in tasks:
             for c in sorted({r["context"] for r in chosen if r["task"] == t}):
-                line = [_cell([r for r in chosen if r["task"] == t and r["context"] == c
-                               and (r["method"], r["budget"]) == col]) for col in cols]
+                line = [_cell([r for r in chosen if r["task"] == t and r["context"] == c and _column(r) == col])
+                        for col in cols]
                 every.append(f"| {t} | {c} | " + " | ".join(line) + " |")
         out += [f"### templates: {templates}", "", head, rule, *summary, "", "Every cell:", "", *every, ""]
     return "\n".join(out)
+
+
+def _column(row: dict) -> tuple[str, float, bool]:
+    return row["method"], row["budget"], row.get("layer_ranks") == "calibrated"
 
 
 def _cell(rows: list[dict]) -> str:
