@@ -269,8 +269,8 @@ def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path(
 # Calibrated against measured peaks (docs/benchmarks.md, the memory model): a layer-wise prefill's peak holds hidden-
 # sized vectors per prompt token (hidden states, residual, q, the attention output and their RoPE / projection
 # temporaries; between the steps of a sliced prefill its job holds a layer's input and output rows, q, k_pre, k_rot, v
-# and the attention output, fewer), ShadowKV two fp32 key rows more (the keys being factorised and their normalised copies), plus one token
-# chunk's MLP; the CUDA context holds memory outside torch's allocator.
+# and the attention output, fewer), ShadowKV two fp32 key rows more (the keys being factorised and their normalised
+# copies), plus one token chunk's MLP; the CUDA context holds memory outside torch's allocator.
 WORKSPACE_HIDDEN_VECTORS = 8
 CONTEXT_BYTES = int(0.9 * GIB)
 

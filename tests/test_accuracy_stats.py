@@ -54,6 +54,17 @@ def test_markdown_shows_every_cell_with_intervals_and_old_rows_without():
     assert "| niah_single | 4096 | 90.0 (n=10, no interval) |" in table
 
 
+def test_a_method_run_at_calibrated_layer_ranks_is_a_column_of_its_own():
+    rows = [{"task": "niah_single", "context": 4096, "method": "shadowkv", "budget": 0.0156, "templates": "heldout",
+             "samples": 2, "score": score, "scores": scores, **extra}
+            for score, scores, extra in ((50.0, [100, 0], {}), (100.0, [100, 100], {"layer_ranks": "calibrated"}))]
+    table = markdown(rows)
+    assert "| task | shadowkv 1.56% | shadowkv 1.56%, calibrated ranks |" in table
+    lo, hi = wilson(50, 2)
+    lo2, hi2 = wilson(100, 2)
+    assert f"| niah_single | 4096 | 50.0 [{lo:.1f}, {hi:.1f}] | 100.0 [{lo2:.1f}, {hi2:.1f}] |" in table
+
+
 def test_the_shipped_rows_stay_readable_and_merge_by_templates(tmp_path):
     rows = json.loads(RESULTS.read_text())
     assert rows and all("scores" not in r for r in rows)  # written before intervals

@@ -33,6 +33,21 @@ def test_fed_tokens_are_decoded_as_if_they_were_the_prompt(tmp_path, method):
     assert answer_fed == answer_whole and len(answer_fed[0]) > 0
 
 
+def test_calibrated_ranks_follow_the_models_keys_and_keep_the_methods_mean(tmp_path):
+    """--calibrate-ranks: ShadowKV's engine keeps each layer at the rank shadowkv.ranks gives for the text's keys,
+    their mean the method's rank; dense is unchanged."""
+    from shadowkv_core.shadowkv.ranks import allocate_ranks
+    text = tmp_path / "calibration.txt"
+    text.write_bytes(b"The quick brown fox jumps over the lazy dog while the cat sleeps. " * 40)
+    llm = build(MODEL, "shadowkv", 512, 0.1, "cpu", 12 / 128, 600, calibration_file=str(text))  # mean rank 12
+    config = llm.engine.cache.shadow.config
+    spectra = list(runs.calibration_spectra(MODEL, str(text), "cpu"))
+    assert config.rank == 12 and config.layer_ranks == allocate_ranks(spectra, 12)
+    assert len(set(config.layer_ranks)) > 2  # the shipped model's layers differ below its rank-20 keys
+    assert [u.shape[-1] for u in llm.engine.cache.shadow.gpu.u] == list(config.layer_ranks)
+    assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, calibration_file=str(text)).engine.config.shadowkv is None
+
+
 def test_longgen_asks_the_needle_after_the_fed_text():
     sample = make_sample("niah_multikey", 2048, seed=3, templates=VARIED)
     text = "lorem ipsum dolor sit amet " * 200

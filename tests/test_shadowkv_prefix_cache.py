@@ -501,7 +501,8 @@ def test_at_low_rank_and_budget_adoption_runs_and_its_logits_are_finite(tiny_pat
 @pytest.mark.parametrize("fp8", [False, True])
 def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     """On the kernels an adopted prefix's values come through the decode path's fetch kernel, every chunk of every
-    KV head a miss (prefill.fetch_prefix_values), from host pages and device-region pages: what the host gather reads."""
+    KV head a miss (prefill.fetch_prefix_values), from host pages and device-region pages: what the host gather
+    reads."""
     torch.manual_seed(5)
     C, page, Hkv, d = 4, 16, 2, 32
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU, in Triton's interpreter

@@ -20,10 +20,10 @@ def locate(table: torch.Tensor, rows: torch.Tensor, page_rows: int) -> tuple[tor
 
 
 class GpuPages:
-    """Per layer and page: U rows (page_tokens, r) at the layer's rank (u: one tensor a layer), landmarks (page_chunks, Hkv, d) (bounds: 2d; fp8: and their scales
-    (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv) uint8, 1 where the chunk is one of its KV head's outliers
-    (kept exact in the slot, so never scored): the scoring kernel reads one byte beside each landmark instead of
-    comparing every chunk with the outlier list."""
+    """Per layer and page: U rows (page_tokens, r) at the layer's rank (u: one tensor a layer), landmarks
+    (page_chunks, Hkv, d) (bounds: 2d; fp8: and their scales (page_chunks, Hkv)), and outlier flags (page_chunks, Hkv)
+    uint8, 1 where the chunk is one of its KV head's outliers (kept exact in the slot, so never scored): the scoring
+    kernel reads one byte beside each landmark instead of comparing every chunk with the outlier list."""
 
     def __init__(self, spec: CacheSpec, config: ShadowKVConfig, num_pages: int):
         L, Hkv, d, dev = spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.device

@@ -31,9 +31,9 @@ def prefill_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: 
 
 
 def start_factorization(cache, layer: int, k_pre: torch.Tensor) -> Factors:
-    """factorize_keys(k_pre, the layer's rank) begun: on CUDA on the cache's build stream, after the work queued so far on the
-    current stream (which wrote k_pre), so that it runs beside the layer's attention slices queued next; elsewhere
-    at once. take_factors ends it."""
+    """factorize_keys(k_pre, the layer's rank) begun: on CUDA on the cache's build stream, after the work queued so
+    far on the current stream (which wrote k_pre), so that it runs beside the layer's attention slices queued next;
+    elsewhere at once. take_factors ends it."""
     rank = cache.config.layer_rank(layer)
     if cache.build_stream is None:
         return Factors(*factorize_keys(k_pre, rank))

@@ -14,9 +14,9 @@ from shadowkv_core.config import ShadowKVConfig
 
 
 class Slots:
-    """sv: one tensor a layer, (N, Hkv, r, d) at the layer's rank: each sequence's key basis; resident (N, L, Hkv, K): chunk id in each sparse slot, -1 empty;
-    sparse_k/v (N, L, Hkv, K*C, d); outlier_k/v (N, L, Hkv, O*C, d);
-    window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window."""
+    """sv: one tensor a layer, (N, Hkv, r, d) at the layer's rank: each sequence's key basis; resident
+    (N, L, Hkv, K): chunk id in each sparse slot, -1 empty; sparse_k/v (N, L, Hkv, K*C, d); outlier_k/v
+    (N, L, Hkv, O*C, d); window_k/v (N, L, E, Hkv, d) with E = (local_chunks * C) + decode_window."""
 
     sv: list[torch.Tensor]
     resident: torch.Tensor
