@@ -19,7 +19,8 @@ CUDA), fp8 values and the device tier. ShadowKV's landmarks are its default boun
 each chunk's per-dimension centre and half-range of its keys, scored by the largest logit a key inside them could
 reach); shadowkv_mean and shadowkv_timed_mean are shadowkv and shadowkv_timed with the paper's landmark, the keys'
 mean. dense_fp8 is dense attention with its cache in fp8 (EngineConfig.kv_cache_dtype:
-e4m3, a scale per token and KV head).
+e4m3, a scale per token and KV head); dense_timed is dense on the engine's default decode path (on CUDA the paged
+decode kernel, CUDA graphs and async decode), which long generation's thousands of steps need to finish in time.
 shadowkv_prefix and dense_prefix are shadowkv and dense with one engine kept across a conversation's turns, so that
 every turn after the first is served from the engine's prefix cache, where the other methods re-prefill each turn
 cold (issue 30). They run niah_multiturn only (a single-prompt task would run them as their uncached method): their

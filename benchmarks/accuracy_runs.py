@@ -43,7 +43,7 @@ LONGGEN_TOKENS = 2048
 TIMED_DEVICE_VALUE_SHARE = 0.375  # the timed configuration's device tier (docs/benchmarks.md's headline)
 CALIBRATION_TOKENS = 8192  # the text's first bytes over which calibrated layer ranks are chosen (shadowkv.ranks)
 
-DENSE = ("dense", "dense_fp8", "dense_prefix")  # full attention: no budget
+DENSE = ("dense", "dense_fp8", "dense_prefix", "dense_timed")  # full attention: no budget
 SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer,
            "chunk_oracle": ChunkOracleScorer}
 EVICTION = ("streamingllm", "snapkv")
@@ -52,7 +52,8 @@ CACHED = {"shadowkv_prefix": "shadowkv", "dense_prefix": "dense"}
 # ShadowKV methods with the paper's mean landmarks (ShadowKVConfig.landmark_kind, bounds by default): the method each
 # is otherwise
 MEAN = {"shadowkv_mean": "shadowkv", "shadowkv_timed_mean": "shadowkv_timed"}
-TIMED = ("shadowkv_timed", "shadowkv_timed_mean")  # on the engine's default decode path, not the reference's
+# on the engine's default decode path, not the reference's
+TIMED = ("shadowkv_timed", "shadowkv_timed_mean", "dense_timed")
 # fp8 values; fp8 landmarks as well; the timed configuration (kernels, CUDA graphs, async and pipelined decode where
 # the device has them, fp8 values, the device tier)
 METHODS = (*DENSE, "shadowkv", "shadowkv_prefix", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm",

@@ -48,6 +48,13 @@ def test_calibrated_ranks_follow_the_models_keys_and_keep_the_methods_mean(tmp_p
     assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, calibration_file=str(text)).engine.config.shadowkv is None
 
 
+def test_timed_methods_run_the_engines_default_decode_path_and_the_rest_the_reference():
+    for method, kernels in (("dense", False), ("dense_timed", "auto"), ("shadowkv", False), ("shadowkv_timed", "auto")):
+        llm = build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600)
+        assert llm.engine.config.use_kernels == kernels, method
+        assert (llm.engine.config.shadowkv is None) == method.startswith("dense"), method
+
+
 def test_longgen_asks_the_needle_after_the_fed_text():
     sample = make_sample("niah_multikey", 2048, seed=3, templates=VARIED)
     text = "lorem ipsum dolor sit amet " * 200
