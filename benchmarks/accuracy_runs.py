@@ -26,11 +26,10 @@ import torch
 
 from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
 from shadowkv_core.memory_model import GIB, load_geometry, seq_bytes
-from shadowkv_core.models import load_model
 from shadowkv_core.models.loader import read_config
 from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.quest import QuestScorer
-from shadowkv_core.shadowkv.ranks import allocate_ranks, key_spectra
+from shadowkv_core.shadowkv.ranks import allocate_ranks, checkpoint_key_spectra
 from training.data import EOS, Sample, score
 from training.objectives import CHUNK, LOCAL_CHUNKS, RANK_SHARE
 
@@ -99,10 +98,8 @@ def method_config(model: str, method: str, context: int, budget: float, rank_sha
 def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple[torch.Tensor, ...]:
     """The model's per-layer key spectra over the first CALIBRATION_TOKENS bytes of a text (the byte-level models
     this harness runs), once per model."""
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    decoder, spec = load_model(model, dtype, device)
     text = Path(calibration_file).read_bytes()[:CALIBRATION_TOKENS]
-    return tuple(key_spectra(decoder, spec, list(text), device, dtype))
+    return tuple(checkpoint_key_spectra(model, list(text), device))
 
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,

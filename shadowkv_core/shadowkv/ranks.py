@@ -64,6 +64,15 @@ def key_spectra(model, spec, token_ids: list[int], device: torch.device | str,
     return cache.eigenvalues()
 
 
+def checkpoint_key_spectra(model: str, token_ids: list[int], device: torch.device | str) -> list[torch.Tensor]:
+    """key_spectra of a checkpoint (a local directory or hub id), loaded in bf16 on CUDA and fp32 elsewhere."""
+    from shadowkv_core.models import load_model
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    decoder, spec = load_model(model, dtype, device)
+    return key_spectra(decoder, spec, token_ids, device, dtype)
+
+
 def allocate_ranks(eigenvalues: list[torch.Tensor], rank: int, floor: int | None = None,
                    multiple: int = 1) -> tuple[int, ...]:
     """Ranks, one per layer, averaging `rank`: every layer starts at `floor` (a quarter of rank by default), and
@@ -102,7 +111,7 @@ def energy_kept(eigenvalues: list[torch.Tensor], ranks: tuple[int, ...] | list[i
 
 
 def main(argv: list[str] | None = None) -> None:
-    from shadowkv_core.models import load_model, load_tokenizer
+    from shadowkv_core.models import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory (or hub id)")
@@ -118,9 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.model} ships no tokenizer: the calibration text cannot be encoded")
     with open(args.text, encoding="utf-8") as f:
         token_ids = tokenizer.encode(f.read(), add_special_tokens=True)[:args.tokens]
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
-    model, spec = load_model(args.model, dtype, args.device)
-    eigenvalues = key_spectra(model, spec, token_ids, args.device, dtype)
+    eigenvalues = checkpoint_key_spectra(args.model, token_ids, args.device)
     ranks = allocate_ranks(eigenvalues, args.rank, args.floor, args.multiple)
     uniform, kept = energy_kept(eigenvalues, [args.rank] * len(ranks)), energy_kept(eigenvalues, ranks)
     print(f"{len(token_ids)} tokens; key energy kept per layer at rank {args.rank} -> at its own rank")
