@@ -10,6 +10,10 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
   slot_ids     (B,) int32
   key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (stride over N free, rest contiguous)
+  landmarks    (P, PAGE_TOKENS/C, Hkv, d or 2d)  optional (ShadowKVConfig.landmark_rebuild): one layer's landmarks; each
+               rebuilt chunk is then moved onto its landmark (mean: its mean; bounds: its midpoint to the centre,
+               then clamped into the bounds), reference.meet_landmarks; landmark_scales (P, PAGE_TOKENS/C, Hkv) fp32
+               for fp8 landmarks
 RoPE rotates channel pairs (kernels.rope.rope_pairs): the product is split into the pairs' two halves (two dots) so
 the rotation needs no shuffle.
 One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows (from L2, mostly).
@@ -21,14 +25,35 @@ import triton.language as tl
 from kernels.rope import reduce_angle, rope_pairs
 
 
+# what a rebuilt chunk is moved onto; globals a kernel reads must be constexpr objects
+NO_LANDMARKS, MEAN, BOUNDS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _meet_landmark(x, centre, half, KIND: tl.constexpr, MISS_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    """x (MISS_BLOCK*CHUNK, WIDTH) rebuilt rows, chunk by chunk; centre, half the same rows' landmark halves."""
+    x3 = tl.reshape(x, (MISS_BLOCK, CHUNK, WIDTH))
+    if KIND == MEAN:
+        mid = tl.sum(x3, axis=1) / CHUNK
+    else:
+        mid = (tl.max(x3, axis=1) + tl.min(x3, axis=1)) / 2
+    mid = tl.reshape(tl.broadcast_to(mid[:, None, :], (MISS_BLOCK, CHUNK, WIDTH)), (MISS_BLOCK * CHUNK, WIDTH))
+    y = x - mid + centre
+    if KIND == BOUNDS:
+        y = tl.minimum(tl.maximum(y, centre - half), centre + half)
+    return y
+
+
 @triton.jit
 def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr,
-                         slot_ptr, out_ptr, attention_factor,
+                         slot_ptr, out_ptr, lm_ptr, lm_scale_ptr, attention_factor,
                          stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
-                         stride_nb, stride_on, stride_oh,
+                         stride_nb, stride_on, stride_oh, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc,
                          CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
-                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
+                         LM_SCALED: tl.constexpr):
     pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
     if pid * MISS_BLOCK >= num_miss:
@@ -66,6 +91,21 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
     sin = tl.where(is_rot[None, :], tl.sin(angle) * attention_factor, 0.0)
     out1 = acc1 * cos - acc2 * sin
     out2 = acc2 * cos + acc1 * sin
+    if LANDMARKS != NO_LANDMARKS:
+        lm_rows = page * stride_lp + (chunk % (PAGE_TOKENS // CHUNK)) * stride_lc + h * stride_lh  # (ROWS,)
+        lm_scale = 1.0
+        if LM_SCALED:
+            lm_scale = tl.load(lm_scale_ptr + page * stride_sp + (chunk % (PAGE_TOKENS // CHUNK)) * stride_sc + h,
+                               mask=m_mask, other=1.0)[:, None]
+        lm = lm_ptr + lm_rows[:, None]
+        centre1 = tl.load(lm + first[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
+        centre2 = tl.load(lm + second[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
+        half1, half2 = centre1, centre2
+        if LANDMARKS == BOUNDS:
+            half1 = tl.load(lm + HEAD_DIM + first[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
+            half2 = tl.load(lm + HEAD_DIM + second[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
+        out1 = _meet_landmark(out1, centre1, half1, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
+        out2 = _meet_landmark(out2, centre2, half2, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
     dst = out_ptr + slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_m % CHUNK)[:, None] * HEAD_DIM
     tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
     tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -74,9 +114,11 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
 def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor, inv_freq: torch.Tensor,
                  attention_factor: float, interleaved: bool, miss_chunks: torch.Tensor, miss_slots: torch.Tensor,
                  num_miss: torch.Tensor, slot_ids: torch.Tensor, key_slots: torch.Tensor, chunk_size: int,
-                 miss_block: int = 4, block_r: int = 64, num_warps: int = 8,
-                 num_stages: int = 3) -> None:
-    """The default tile is the fastest measured on Hopper (`python -m benchmarks.kernels --tiles-only`)."""
+                 landmarks: torch.Tensor | None = None, landmark_kind: str = "bounds",
+                 landmark_scales: torch.Tensor | None = None, miss_block: int = 4, block_r: int = 64,
+                 num_warps: int = 8, num_stages: int = 3) -> None:
+    """The default tile is the fastest measured on Hopper (`python -m benchmarks.kernels --tiles-only`).
+    landmarks: move each rebuilt chunk onto its landmark of `landmark_kind` ("mean" or "bounds"); None: do not."""
     P, page_tokens, r = u_pages.shape
     N, Hkv, r_sv, d = sv.shape
     B, _, K = miss_chunks.shape
@@ -90,12 +132,24 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous()
     assert page_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
     assert page_table.stride(1) == 1 and page_table.shape[0] == B and slot_ids.shape == (B,)
+    kind = (NO_LANDMARKS if landmarks is None else {"mean": MEAN, "bounds": BOUNDS}[landmark_kind]).value
+    if landmarks is not None:
+        width = d * (2 if kind == BOUNDS.value else 1)
+        assert landmarks.shape == (P, page_tokens // chunk_size, Hkv, width) and landmarks.stride(3) == 1, (
+            landmarks.shape, width)
+        assert (landmark_scales is None) == (landmarks.dtype != torch.float8_e4m3fn)
+        assert landmark_scales is None or (landmark_scales.shape == landmarks.shape[:3]
+                                           and landmark_scales.stride(2) == 1)
+    lm = landmarks if landmarks is not None else key_slots
+    scales = landmark_scales if landmark_scales is not None else lm
     grid = (triton.cdiv(K, miss_block), Hkv, B)
     _rebuild_keys_kernel[grid](
-        u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, attention_factor,
+        u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, lm, scales,
+        attention_factor,
         u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
         miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
+        lm.stride(0), lm.stride(1), lm.stride(2), scales.stride(0), scales.stride(1),
         CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
         INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if u_pages.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages)  # fp32: no tf32
+        DOT_PRECISION="ieee" if u_pages.dtype == torch.float32 else "tf32", LANDMARKS=kind,
+        LM_SCALED=landmark_scales is not None, num_warps=num_warps, num_stages=num_stages)  # fp32: no tf32

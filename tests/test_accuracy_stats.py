@@ -65,6 +65,19 @@ def test_a_method_run_at_calibrated_layer_ranks_is_a_column_of_its_own():
     assert f"| niah_single | 4096 | 50.0 [{lo:.1f}, {hi:.1f}] | 100.0 [{lo2:.1f}, {hi2:.1f}] |" in table
 
 
+def test_keys_onto_landmarks_is_a_column_of_its_own_and_combines_with_calibrated_ranks():
+    rows = [{"task": "niah_single", "context": 4096, "method": "shadowkv", "budget": 0.0156, "templates": "heldout",
+             "samples": 2, "score": score, "scores": scores, **extra}
+            for score, scores, extra in ((50.0, [100, 0], {"layer_ranks": "calibrated"}),
+                                         (0.0, [0, 0], {"layer_ranks": "calibrated", "landmark_rebuild": True}))]
+    table = markdown(rows)
+    assert ("| task | shadowkv 1.56%, calibrated ranks | shadowkv 1.56%, calibrated ranks, keys onto landmarks |"
+            in table)
+    lo, hi = wilson(50, 2)
+    lo2, hi2 = wilson(0, 2)
+    assert f"| niah_single | 4096 | 50.0 [{lo:.1f}, {hi:.1f}] | 0.0 [{lo2:.1f}, {hi2:.1f}] |" in table
+
+
 def test_the_shipped_rows_stay_readable_and_merge_by_templates(tmp_path):
     rows = json.loads(RESULTS.read_text())
     assert rows and all("scores" not in r for r in rows)  # written before intervals

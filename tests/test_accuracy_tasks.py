@@ -48,6 +48,14 @@ def test_calibrated_ranks_follow_the_models_keys_and_keep_the_methods_mean(tmp_p
     assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, calibration_file=str(text)).engine.config.shadowkv is None
 
 
+def test_landmark_rebuild_reaches_every_rebuilding_methods_engine_and_leaves_dense_alone():
+    for method in ("shadowkv", "shadowkv_timed", "quest", "snapkv"):
+        assert build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600, landmark_rebuild=True).engine.cache.shadow \
+            .config.landmark_rebuild, method
+        assert not build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600).engine.cache.shadow.config.landmark_rebuild
+    assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, landmark_rebuild=True).engine.config.shadowkv is None
+
+
 def test_timed_methods_run_the_engines_default_decode_path_and_the_rest_the_reference():
     for method, kernels in (("dense", False), ("dense_timed", "auto"), ("shadowkv", False), ("shadowkv_timed", "auto")):
         llm = build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600)

@@ -60,11 +60,13 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
     ("fp8", 0.3, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.3, "fp8", "bounds")])
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, kind, device=DEVICE,
-                                      prompt_lens=(150, 61, 97), steps=12, layer_ranks=None):
+                                      prompt_lens=(150, 61, 97), steps=12, layer_ranks=None, landmark_rebuild=False):
     """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
-    landmarks, kind: their format and kind on both. layer_ranks: each layer's keys at its own rank."""
+    landmarks, kind: their format and kind on both. layer_ranks: each layer's keys at its own rank.
+    landmark_rebuild: rebuilt chunks moved onto their landmarks on both."""
     caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
-                                landmark_format=landmarks, landmark_kind=kind, layer_ranks=layer_ranks)
+                                landmark_format=landmarks, landmark_kind=kind, layer_ranks=layer_ranks,
+                                landmark_rebuild=landmark_rebuild)
     if fast_share:
         assert caches[1].manager.device_value_pages.num_free < caches[1].manager.device_value_pages.num_blocks
     for step in range(steps):
@@ -88,6 +90,22 @@ def test_fast_decode_equals_reference_gpu_bf16(value_format, fast_share, landmar
 def test_fast_decode_equals_reference_with_layer_ranks():
     """Each layer at its own rank, neither a power of two (mean 48): the kernels take each layer's U and basis."""
     test_fast_decode_equals_reference(torch.float32, "fp8", 0.3, "fp8", "bounds", layer_ranks=(33, 63))
+
+
+@pytest.mark.parametrize("value_format,fast_share,landmarks,kind", [
+    ("model", 0.0, "model", "bounds"), ("fp8", 0.3, "fp8", "bounds"), ("model", 0.3, "model", "mean")])
+def test_fast_decode_equals_reference_with_landmark_rebuild(value_format, fast_share, landmarks, kind):
+    """Rebuilt chunks moved onto their landmarks (ShadowKVConfig.landmark_rebuild), at uneven layer ranks."""
+    test_fast_decode_equals_reference(torch.float32, value_format, fast_share, landmarks, kind, layer_ranks=(33, 63),
+                                      landmark_rebuild=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("landmarks,kind", [("model", "bounds"), ("fp8", "bounds"), ("model", "mean")])
+def test_fast_decode_equals_reference_with_landmark_rebuild_gpu_bf16(landmarks, kind):
+    test_fast_decode_equals_reference(torch.bfloat16, "fp8", 0.4, landmarks, kind, device="cuda",
+                                      prompt_lens=(1500, 611, 977, 2048), steps=20, layer_ranks=(33, 63),
+                                      landmark_rebuild=True)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from shadowkv_core.shadowkv.batched_reference import rebuild_keys_batched
 
 
 def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_dim=None, interleaved=False,
-           scaling=None, seed=0, **shape):
+           scaling=None, seed=0, landmark_kind=None, fp8_landmarks=False, **shape):
     g = torch.Generator().manual_seed(seed)
     B, N = len(num_chunks), len(num_chunks) + 1
     table, num_pages = page_tables([n * C for n in num_chunks], page_tokens, g)
@@ -18,15 +18,41 @@ def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_di
     slot_ids = slot_ids_for(B, N, g).to(device)
     miss_chunks, miss_slots, num_miss = (t.to(device) for t in random_misses(B, Hkv, K, num_chunks, g))
     rotary = rotary_for_tests(rotary_dim or d, interleaved, scaling, device)
+    landmarks = {}
+    if landmark_kind is not None:  # centres near the rebuilt keys' scale, half-ranges that clamp some and not others
+        lm = torch.randn(num_pages, page_tokens // C, Hkv, d, generator=g)
+        if landmark_kind == "bounds":
+            lm = torch.cat([lm, torch.rand(num_pages, page_tokens // C, Hkv, d, generator=g) * 2], -1)
+        scales = None
+        if fp8_landmarks:
+            scales = torch.rand(num_pages, page_tokens // C, Hkv, generator=g) + 0.5
+            lm = (lm / scales[..., None]).to(torch.float8_e4m3fn)
+            scales = scales.to(device)
+        landmarks = {"landmarks": lm.to(device) if fp8_landmarks else lm.to(device, dtype),
+                     "landmark_kind": landmark_kind, "landmark_scales": scales}
     expected = rebuild_keys_batched(key_slots, u_pages, table.to(device), sv, rotary, miss_chunks, miss_slots,
-                                    num_miss, slot_ids, C)
+                                    num_miss, slot_ids, C, **landmarks)
     got = key_slots.clone()
     written = expected != key_slots
     got[written] = float("nan")  # poison the outputs
     inv_freq = rotary.inv_freq.float()[None].expand(B, -1)
     rebuild_keys(u_pages, table.to(device), sv, inv_freq, rotary.attention_factor, interleaved, miss_chunks,
-                 miss_slots, num_miss, slot_ids, got, C, **shape)
+                 miss_slots, num_miss, slot_ids, got, C, **landmarks, **shape)
     assert_close(got, expected, dtype, "key slots")
+    return expected, key_slots
+
+
+@pytest.mark.parametrize("landmark_kind,fp8", [("bounds", False), ("mean", False), ("bounds", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rebuild_keys_meet_landmarks(landmark_kind, fp8, dtype):
+    """Each rebuilt chunk moved onto its landmark (ShadowKVConfig.landmark_rebuild), partial rotary and odd counts
+    included; the reference's rows moved indeed (clamped ones among them for bounds)."""
+    expected, _ = _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=dtype, device=DEVICE,
+                         rotary_dim=16, interleaved=True, seed=3, landmark_kind=landmark_kind, fp8_landmarks=fp8)
+    plain, before = _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=dtype,
+                           device=DEVICE, rotary_dim=16, interleaved=True, seed=3)
+    written = plain != before
+    assert (expected[written] != plain[written]).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -48,6 +74,15 @@ def test_rebuild_keys_far_positions():
     """Positions past 100K: RoPE angles of 1e5 radians, in fp32 as the reference."""
     _check([30000, 26000], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=512, dtype=torch.float32, device=DEVICE,
            scaling=LLAMA3_SCALING)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("landmark_kind,fp8", [("bounds", False), ("mean", False), ("bounds", True)])
+def test_rebuild_keys_meet_landmarks_llama(landmark_kind, fp8):
+    C = LLAMA["chunk_size"]
+    _check(ragged_lengths(32 * 1024 // C, 8, seed=8), LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["rank"],
+           LLAMA["budget_chunks"], C, 128, torch.bfloat16, "cuda", scaling=LLAMA3_SCALING,
+           landmark_kind=landmark_kind, fp8_landmarks=fp8)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ import torch
 
 from shadowkv_core.attention import attention_ref
 from shadowkv_core.shadowkv.reference import (assign_slots, chunk_landmarks, factorize_keys, find_outlier_chunks,
-                                              gather_values, landmark_scores, paged_rows, project_keys,
+                                              gather_values, landmark_scores, meet_landmarks, paged_rows,
+                                              project_keys,
                                               rebuild_keys, scoring_query, select_chunks,
                                               sparse_decode_attention_ref)
 
@@ -64,6 +65,33 @@ def test_chunk_landmarks_are_chunk_means():
     lm = chunk_landmarks(k_rot, 4)
     assert lm.shape == (6, 3, 5)
     torch.testing.assert_close(lm[2], k_rot[8:12].mean(0))
+
+
+@pytest.mark.parametrize("kind", ["mean", "bounds"])
+def test_meet_landmarks_keeps_exact_keys_and_takes_out_an_error_a_chunk_shares(kind):
+    torch.manual_seed(1)
+    C, n, d = 8, 10, 16
+    keys = torch.randn(n, C, d) * torch.rand(d) * 3
+    lm = chunk_landmarks(keys.reshape(n * C, 1, d), C, kind)[:, 0]  # (n, d or 2d)
+    torch.testing.assert_close(meet_landmarks(keys, lm, kind), keys)
+    shared = torch.randn(n, 1, d)  # an error every key of a chunk has alike
+    torch.testing.assert_close(meet_landmarks(keys + shared, lm, kind), keys, atol=1e-5, rtol=1e-5)
+
+
+def test_meet_landmarks_bounds_clamp_into_the_bounds_and_never_move_a_key_away():
+    """Any rebuild, however wrong: every output lies in its chunk's bounds, and no coordinate is farther from the
+    exact key than the shifted rebuild's (clamping into an interval holding the exact value)."""
+    torch.manual_seed(2)
+    C, n, d = 8, 10, 16
+    keys = torch.randn(n, C, d)
+    rebuilt = keys + torch.randn(n, C, d) * 0.7
+    lm = chunk_landmarks(keys.reshape(n * C, 1, d), C, "bounds")[:, 0]
+    out = meet_landmarks(rebuilt, lm, "bounds")
+    centre, half = lm[:, None, :d], lm[:, None, d:]
+    assert bool(((out >= centre - half - 1e-6) & (out <= centre + half + 1e-6)).all())
+    shifted = rebuilt - (rebuilt.amax(1, keepdim=True) + rebuilt.amin(1, keepdim=True)) / 2 + centre
+    assert bool(((out - keys).abs() <= (shifted - keys).abs() + 1e-6).all())
+    assert (out - keys).norm() < (rebuilt - keys).norm()
 
 
 def test_bounds_landmarks_score_at_least_every_key_of_their_chunk():

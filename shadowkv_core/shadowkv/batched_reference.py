@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.attention import attention_ref
+from shadowkv_core.shadowkv.pages import locate
 from shadowkv_core.shadowkv.reference import (assign_slots, dequantize_tokens, dequantize_values, gather_scales,
-                                              gather_values, landmark_scores, paged_rows, rebuild_keys,
-                                              sparse_decode_attention_ref)
+                                              gather_values, landmark_scores, meet_landmarks, paged_rows,
+                                              rebuild_keys, sparse_decode_attention_ref)
 
 
 def landmark_scores_batched(q: torch.Tensor, landmarks: torch.Tensor, page_table: torch.Tensor,
@@ -56,8 +57,11 @@ def _misses(miss_chunks, miss_slots, num_miss, b, h):
 
 def rebuild_keys_batched(key_slots: torch.Tensor, u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor,
                          rotary, miss_chunks: torch.Tensor, miss_slots: torch.Tensor, num_miss: torch.Tensor,
-                         slot_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """key_slots (N, Hkv, K*C, d) -> a copy with every missed slot's keys rebuilt (RoPE(U rows · SV), fp32 math)."""
+                         slot_ids: torch.Tensor, chunk_size: int, landmarks: torch.Tensor | None = None,
+                         landmark_kind: str = "bounds", landmark_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """key_slots (N, Hkv, K*C, d) -> a copy with every missed slot's keys rebuilt (RoPE(U rows · SV), fp32 math);
+    with landmarks (P, page_chunks, Hkv, d or 2d; fp8 with landmark_scales (P, page_chunks, Hkv)), each moved onto
+    its chunk's landmark (meet_landmarks)."""
     out = key_slots.clone()
     N, Hkv, KC, d = key_slots.shape
     C = chunk_size
@@ -67,6 +71,12 @@ def rebuild_keys_batched(key_slots: torch.Tensor, u_pages: torch.Tensor, page_ta
             positions = chunks[:, None] * C + torch.arange(C, device=chunks.device)  # (M, C)
             u_rows = paged_rows(u_pages, page_table[b].long(), positions)  # (M, C, r)
             keys = rebuild_keys(u_rows, sv[s, h].expand(len(chunks), -1, -1), positions, rotary)  # (M, C, d)
+            if landmarks is not None:
+                where = locate(page_table[b].long(), chunks, landmarks.shape[1])
+                lm = landmarks[where][:, h].float()
+                if landmark_scales is not None:
+                    lm = lm * landmark_scales[where][:, h, None]
+                keys = meet_landmarks(keys, lm, landmark_kind)
             out[s, h].view(KC // C, C, d)[slots] = keys.to(out.dtype)
     return out
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from shadowkv_core.shadowkv.manager import SequenceState
-from shadowkv_core.shadowkv.reference import (assign_slots, landmark_scores, project_keys, rebuild_keys, scoring_query,
-                                              select_chunks, sparse_decode_attention_ref)
+from shadowkv_core.shadowkv.reference import (assign_slots, landmark_scores, meet_landmarks, project_keys, rebuild_keys,
+                                              scoring_query, select_chunks, sparse_decode_attention_ref)
 
 
 def decode_layer(cache, layer: int, st: SequenceState, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
@@ -78,6 +78,9 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     u_rows = cache.gpu.read_u(layer, st.gpu_table, positions)  # (M, C, r)
     sv = slots.sv[layer][s][heads]  # (M, r, d)
     keys = rebuild_keys(u_rows, sv, positions, cache.rotary, rope_lens(cache, st, positions))  # (M, C, d)
+    if cache.config.landmark_rebuild:
+        landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)[chunks, heads]
+        keys = meet_landmarks(keys, landmarks, cache.config.landmark_kind)
     values = cache.host.gather(layer, st.value_table, chunks, heads, C)  # (M, C, d) on the host
     Hkv, K = miss.shape
     d = keys.shape[-1]

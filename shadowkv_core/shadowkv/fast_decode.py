@@ -95,9 +95,12 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
                           miss_total=plan.misses)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
+    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
+                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
     done = on_two_streams(cache.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
-                                                      *misses, plan.slot_ids, slots.sparse_k[:, layer], C),
+                                                      *misses, plan.slot_ids, slots.sparse_k[:, layer], C,
+                                                      **landmarks),
                    lambda: fetch_misses(cache, layer, plan, misses))
     return misses, done
 
