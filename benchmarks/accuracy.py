@@ -84,6 +84,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                 base["hit_rate"] = round(sum(hit_rates) / len(hit_rates), 4)
             if args.calibrate_ranks and method not in DENSE:
                 base["layer_ranks"] = "calibrated"
+            if args.landmark_rebuild and method not in DENSE:
+                base["landmark_rebuild"] = True
             for depth in args.niah_depths if task == "niah_grid" else [None]:
                 chosen = [v for s, v in zip(samples, per_sample) if depth is None or _nearest(args, s) == depth]
                 mean, low, high = cell_interval(chosen)
@@ -103,7 +105,7 @@ def run_group(args, method: str, budget: float, task: str, context: int, samples
 
     def engine(max_model_len: int, forced: bool = False, conversations: int = 0):
         return build(args.model, method, context, budget, args.device, share, max_model_len, forced, conversations,
-                     args.calibrate_ranks)
+                     args.calibrate_ranks, args.landmark_rebuild)
 
     if task == MULTITURN:
         cached = method in CACHED
@@ -148,11 +150,12 @@ def markdown(rows: list[dict]) -> str:
     for templates in sorted({r.get("templates", "ruler") for r in rows}):
         chosen = [r for r in rows if r.get("templates", "ruler") == templates]
         budgets = sorted({r["budget"] for r in chosen if r["method"] not in DENSE})
-        # a method run with calibrated layer ranks (--calibrate-ranks) is a column of its own, after the method
-        cols = [(m, b, calibrated) for m, b in methods(budgets, {r["method"] for r in chosen})
-                for calibrated in (False, True) if any(_column(r) == (m, b, calibrated) for r in chosen)]
-        head = "| task | " + " | ".join((m if m in DENSE else f"{m} {b:.2%}") + (", calibrated ranks" if c else "")
-                                       for m, b, c in cols) + " |"
+        # a method run with calibrated layer ranks or keys moved onto their landmarks is a column of its own, after
+        # the method
+        cols = [(m, b, v) for m, b in methods(budgets, {r["method"] for r in chosen})
+                for v in sorted({_column(r)[2] for r in chosen if _column(r)[:2] == (m, b)})]
+        head = "| task | " + " | ".join((m if m in DENSE else f"{m} {b:.2%}") + (f", {v}" if v else "")
+                                       for m, b, v in cols) + " |"
         rule = "|---" * (len(cols) + 1) + "|"
         tasks = [t for t in (*ALL_TASKS, "niah_grid") if any(r["task"] == t for r in chosen)]
 
@@ -171,8 +174,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _column(row: dict) -> tuple[str, float, bool]:
-    return row["method"], row["budget"], row.get("layer_ranks") == "calibrated"
+def _column(row: dict) -> tuple[str, float, str]:
+    """(method, budget, variant): the variant names what the run changed of the method ("" for nothing)."""
+    variant = [label for label, on in (("calibrated ranks", row.get("layer_ranks") == "calibrated"),
+                                       ("keys onto landmarks", row.get("landmark_rebuild", False))) if on]
+    return row["method"], row["budget"], ", ".join(variant)
 
 
 def _cell(rows: list[dict]) -> str:
@@ -235,6 +241,9 @@ def main() -> None:
     parser.add_argument("--calibrate-ranks", metavar="TEXT_FILE", default=None,
                         help="keep each layer's keys at its own rank, chosen on this text's keys with the mean rank "
                              "the method's (ShadowKVConfig.layer_ranks, shadowkv.ranks); default: every layer at it")
+    parser.add_argument("--landmark-rebuild", action="store_true",
+                        help="rebuilt keys moved onto their chunk's landmark (ShadowKVConfig.landmark_rebuild), in "
+                             "every method whose keys are rebuilt")
     parser.add_argument("--quest-rank-share", type=float, default=1.0,
                         help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384])

@@ -104,20 +104,22 @@ def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
           max_model_len: int, forced: bool = False, conversations: int = 0,
-          calibration_file: str | None = None) -> LLM:
+          calibration_file: str | None = None, landmark_rebuild: bool = False) -> LLM:
     """The method's engine (a cached method's: its uncached method's). Every method but the TIMED ones runs the
     PyTorch reference decode path (the selection policies need it; the kernels equal it by test); those run
     what the engine does by default on the device. `forced`: each step read back before the next (teacher forcing
     rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
     beyond CACHE_GIB (live, and their prefixes cached beside them). calibration_file: the keys kept at per-layer
     ranks calibrated on that text (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at
-    the method's rank."""
+    the method's rank. landmark_rebuild: its rebuilt keys moved onto their landmarks (ShadowKVConfig)."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
     if config is not None and calibration_file is not None:
         spectra = calibration_spectra(model, calibration_file, device)
         if config.rank < len(spectra[0]):
             config = dataclasses.replace(config, layer_ranks=allocate_ranks(list(spectra), config.rank))
+    if config is not None and landmark_rebuild:
+        config = dataclasses.replace(config, landmark_rebuild=True)
     speed = {} if method in TIMED else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False
