@@ -132,8 +132,9 @@ class ShadowKVConfig:
                      f"layer_ranks has {len(self.layer_ranks)} ranks; this model has {num_layers} layers")
         top = max(self.layer_ranks or (self.rank,))
         _require(top <= width,
-                 f"{'a layer rank' if self.layer_ranks else 'rank'} ({top}) is larger than kv_heads*head_dim ({num_kv_heads}*{head_dim}={width}) "
-                 "of this model: the pre-RoPE keys have no more than that many dimensions")
+                 f"{'a layer rank' if self.layer_ranks else 'rank'} ({top}) is larger than kv_heads*head_dim "
+                 f"({num_kv_heads}*{head_dim}={width}) of this model: the pre-RoPE keys have no more than that many "
+                 "dimensions")
 
 
 @dataclass(frozen=True)
