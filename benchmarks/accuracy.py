@@ -8,8 +8,9 @@ default: benchmarks/heldout.py, forms, keys, phrasings and text that training ne
 ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse
 budgets as fractions of the context. At the same budget: Quest selects chunks by per-chunk min/max key bounds
 (shadowkv_core/shadowkv/quest.py), by default with the keys at full rank so the chunks it picks are exact, as Quest
-reads them (--quest-rank-share puts it on ShadowKV's low-rank keys); streamingllm keeps the attention sinks and the
-newest chunks, snapkv the chunks the prompt's last window attends to most (shadowkv_core/shadowkv/baselines.py).
+reads them; streamingllm keeps the attention sinks and the newest chunks, snapkv the chunks the prompt's last window
+attends to most (shadowkv_core/shadowkv/baselines.py), their keys exact too, as those methods keep the tokens they
+keep (--baseline-rank-share puts the three on ShadowKV's low-rank keys).
 chunk_oracle is ShadowKV (its rank, outliers, local chunks and budget) with each chunk scored by the largest logit any
 of its exact keys gets: no method a server could run (it keeps every key), the ceiling of choosing chunks by keys.
 shadowkv_fp8 is ShadowKV with its host values in fp8 (e4m3, a scale per chunk and KV head); shadowkv_fp8lm has its
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy_runs import (CACHED, DENSE, DIAGNOSTIC, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
+from benchmarks.accuracy_runs import (CACHED, DENSE, DIAGNOSTIC, EVICTION, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
                                       conversation, generate, longgen_parts)
 from benchmarks.accuracy_stats import cell_interval, combined, fmt, row_interval
 from benchmarks.heldout import HELDOUT
@@ -99,9 +100,18 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
     return rows
 
 
+BASELINES = ("quest", *EVICTION)  # published methods that read exact keys
+
+
+def rank_share_of(args, method: str) -> float:
+    """The rank its keys are rebuilt at, as a share of kv_heads*head_dim: the baselines', by default every key
+    exactly, as they read keys; ShadowKV's (and the chunk oracle's) its own."""
+    return args.baseline_rank_share if method in BASELINES else args.rank_share
+
+
 def run_group(args, method: str, budget: float, task: str, context: int, samples: list):
     """(per-sample scores, hit rates, extra row fields) of one method on one group of samples."""
-    share = args.quest_rank_share if method == "quest" else args.rank_share
+    share = rank_share_of(args, method)
 
     def engine(max_model_len: int, forced: bool = False, conversations: int = 0):
         return build(args.model, method, context, budget, args.device, share, max_model_len, forced, conversations,
@@ -244,8 +254,9 @@ def main() -> None:
     parser.add_argument("--landmark-rebuild", action="store_true",
                         help="rebuilt keys moved onto their chunk's landmark (ShadowKVConfig.landmark_rebuild), in "
                              "every method whose keys are rebuilt")
-    parser.add_argument("--quest-rank-share", type=float, default=1.0,
-                        help="Quest's; 1.0 rebuilds its chunks' keys exactly, as Quest reads them")
+    parser.add_argument("--baseline-rank-share", "--quest-rank-share", type=float, default=1.0,
+                        help="Quest's, StreamingLLM's and SnapKV's; 1.0 rebuilds their chunks' keys exactly, as "
+                             "they read them (--quest-rank-share, its earlier name, when only Quest's was)")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384])
     parser.add_argument("--samples", type=int, default=50, help="per task and context")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.005, 0.0156, 0.03, 0.06])

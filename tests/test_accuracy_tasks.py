@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import benchmarks.accuracy_runs as runs
-from benchmarks.accuracy import score_rows
+from benchmarks.accuracy import rank_share_of, score_rows
 from benchmarks.accuracy_runs import MAX_TOKENS, build, conversation_len, generate, longgen_parts
 from shadowkv_core.tiny_model import build_tiny_model
 from training.data import make_sample
@@ -46,6 +46,16 @@ def test_calibrated_ranks_follow_the_models_keys_and_keep_the_methods_mean(tmp_p
     assert len(set(config.layer_ranks)) > 2  # the shipped model's layers differ below its rank-20 keys
     assert [u.shape[-1] for u in llm.engine.cache.shadow.gpu.u] == list(config.layer_ranks)
     assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, calibration_file=str(text)).engine.config.shadowkv is None
+
+
+def test_the_baselines_read_exact_keys_and_shadowkv_its_own_rank():
+    """Quest, StreamingLLM and SnapKV keep the tokens they keep exactly, so their chunks are rebuilt at
+    --baseline-rank-share (full by default); ShadowKV and the chunk oracle at ShadowKV's rank."""
+    args = Namespace(rank_share=20 / 128, baseline_rank_share=1.0)
+    assert [rank_share_of(args, m) for m in ("quest", "streamingllm", "snapkv")] == [1.0] * 3
+    assert [rank_share_of(args, m) for m in ("shadowkv", "shadowkv_timed", "chunk_oracle")] == [20 / 128] * 3
+    assert build(MODEL, "snapkv", 512, 0.1, "cpu", rank_share_of(args, "snapkv"), 600).engine.cache.shadow \
+        .config.rank == 128
 
 
 def test_landmark_rebuild_reaches_every_rebuilding_methods_engine_and_leaves_dense_alone():
