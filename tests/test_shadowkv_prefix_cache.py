@@ -498,6 +498,33 @@ def test_at_low_rank_and_budget_adoption_runs_and_its_logits_are_finite(tiny_pat
     assert settled(engine)
 
 
+@pytest.mark.parametrize("landmark_rebuild", [True, False])
+def test_an_adopted_prefix_is_rebuilt_as_decode_rebuilds_a_chunk(tiny_path, monkeypatch, landmark_rebuild):
+    """landmark_rebuild: the prefix's rebuilt keys are moved onto their chunks' bounds, as decode moves a missed
+    chunk, so every key lies inside its chunk's bounds; without it, keys at rank 4 stray outside them."""
+    shadow = ShadowKVConfig(rank=4, chunk_size=4, sparse_budget=8, outlier_chunks=2, local_chunks=2,
+                            min_context=128, decode_window=16, landmark_rebuild=landmark_rebuild)
+    llm = engine_llm(tiny_path, shadow)
+    outside = []
+    rebuild = prefill.prefix_keys_values
+
+    def spy(cache, layer, st, keys, values):
+        rebuild(cache, layer, st, keys, values)
+        n, C = st.cached // 4, 4
+        lm = cache.gpu.read_landmarks(layer, st.gpu_table, n).float()  # (n, Hkv, 2d)
+        d = keys.shape[-1]
+        centre, half = lm[..., :d], lm[..., d:]
+        chunked = keys.float().view(n, C, -1, d)
+        outside.append(int(((chunked - centre[:, None]).abs() > half[:, None] + 1e-4).sum()))
+
+    monkeypatch.setattr(prefill, "prefix_keys_values", spy)
+    doc = tokens(300, 41)
+    llm.generate([doc + tokens(5, 42)], GREEDY)
+    llm.generate([doc + tokens(9, 43)], GREEDY)
+    assert len(outside) == len(llm.engine.model.layers)
+    assert (sum(outside) == 0) == landmark_rebuild
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     """On the kernels an adopted prefix's values come through the decode path's fetch kernel, every chunk of every

@@ -94,9 +94,9 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
                           miss_total=plan.misses)
-    # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
     landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
                  "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
+    # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
     done = on_two_streams(cache.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,
                                                       *misses, plan.slot_ids, slots.sparse_k[:, layer], C,

@@ -13,7 +13,8 @@ from kernels.fetch_values import fetch_values
 from shadowkv_core.attention import prefill_attention_ref
 from shadowkv_core.shadowkv.decode import rope_lens
 from shadowkv_core.shadowkv.manager import Factors, SequenceState
-from shadowkv_core.shadowkv.reference import chunk_landmarks, factorize_keys, find_outlier_chunks, project_keys
+from shadowkv_core.shadowkv.reference import (chunk_landmarks, factorize_keys, find_outlier_chunks, meet_landmarks,
+                                              project_keys)
 from shadowkv_core.transfers import to_device
 
 
@@ -175,8 +176,13 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor,
     positions = torch.arange(P, device=device)
     u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
     k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[layer][st.slot].float())  # (P, Hkv, d)
-    keys.copy_(cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)))
-    Hkv, n = k_pre.shape[1], P // C
+    Hkv, n, d = k_pre.shape[1], P // C, k_pre.shape[2]
+    k_rot = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
+    if cache.config.landmark_rebuild:  # as decode moves a rebuilt chunk
+        landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, n).reshape(n * Hkv, -1)
+        chunks = k_rot.view(n, C, Hkv, d).transpose(1, 2).reshape(n * Hkv, C, d)
+        k_rot = meet_landmarks(chunks, landmarks, cache.config.landmark_kind).view(n, Hkv, C, d).transpose(1, 2)
+    keys.copy_(k_rot.reshape(P, Hkv, d))
     if cache.spec.kernels:
         values.copy_(fetch_prefix_values(cache, layer, st, Hkv, n).transpose(0, 1))
     else:
