@@ -83,7 +83,7 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                     "templates": args.templates, "seconds": round(time.time() - began, 2), **extra}
             if hit_rates:
                 base["hit_rate"] = round(sum(hit_rates) / len(hit_rates), 4)
-            if args.calibrate_ranks and method not in DENSE:
+            if args.calibrate_ranks and method not in DENSE and rank_share_of(args, method) < 1:  # else exact keys
                 base["layer_ranks"] = "calibrated"
             if args.landmark_rebuild and method not in DENSE:
                 base["landmark_rebuild"] = True

@@ -140,6 +140,21 @@ def test_a_conversation_on_one_engine_answers_as_cold_turns_do_from_the_prefix_c
         assert warm_prefix["hit_tokens"][1:] == before
 
 
+def test_rows_name_calibrated_ranks_only_where_the_keys_are_low_rank_and_name_landmark_rebuild(monkeypatch):
+    import benchmarks.accuracy as accuracy
+    monkeypatch.setattr(accuracy, "run_group", lambda *a: ([100.0], [], {}))
+    args = Namespace(budgets=[0.0156], methods=["dense", "shadowkv", "quest", "snapkv"], max_minutes=1,
+                     calibrate_ranks="text.txt", landmark_rebuild=True, rank_share=20 / 128, baseline_rank_share=1.0,
+                     templates="heldout", niah_depths=[])
+    rows = score_rows(args, {("niah_single", 1024): [None]}, lambda rows: None, lambda msg: None)
+    labels = {r["method"]: (r.get("layer_ranks"), r.get("landmark_rebuild")) for r in rows}
+    assert labels == {"dense": (None, None), "shadowkv": ("calibrated", True), "quest": (None, True),
+                      "snapkv": (None, True)}
+    args.baseline_rank_share = 20 / 128  # the baselines on ShadowKV's low-rank keys: calibrated as well
+    rows = score_rows(args, {("niah_single", 1024): [None]}, lambda rows: None, lambda msg: None)
+    assert {r["method"]: r.get("layer_ranks") for r in rows}["quest"] == "calibrated"
+
+
 def test_cached_methods_run_the_multiturn_task_alone(capsys):
     args = Namespace(budgets=[0.0156], methods=["dense_prefix", "shadowkv_prefix"], max_minutes=1)
     groups = {("niah_single", 1024): [make_sample("niah_single", 1024, 0, templates=RULER)]}
