@@ -3,8 +3,9 @@
 RULER-style tasks (training/data.py, evaluation seeds) at several contexts, a needle-in-a-haystack grid (context x
 depth), a needle asked after 2,048 decoded tokens (niah_longgen) and a five-turn conversation (niah_multiturn),
 greedy; benchmarks/accuracy_runs.py says how each runs. --templates picks the words and the haystack: heldout (the
-default: benchmarks/heldout.py, forms, keys, phrasings and text that training never sees), varied or ruler
-(training's own, training/templates.py; ruler is the one form the shipped model was trained on).
+default: benchmarks/heldout.py, forms, keys, phrasings and text that training never sees), fresh (a second such set,
+benchmarks/fresh.py, made after every choice the first one steered), varied or ruler (training's own,
+training/templates.py; ruler is the one form the shipped model was trained on).
 ShadowKV's rank is scaled to the model as 160 is to Llama-3-8B's 1024 (15.6 % of kv_heads*head_dim), chunk 8, sparse
 budgets as fractions of the context. At the same budget: Quest selects chunks by per-chunk min/max key bounds
 (shadowkv_core/shadowkv/quest.py), by default with the keys at full rank so the chunks it picks are exact, as Quest
@@ -47,6 +48,7 @@ import torch
 from benchmarks.accuracy_runs import (CACHED, DENSE, DIAGNOSTIC, EVICTION, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
                                       conversation, generate, longgen_parts)
 from benchmarks.accuracy_stats import cell_interval, combined, fmt, row_interval
+from benchmarks.fresh import FRESH
 from benchmarks.heldout import HELDOUT
 from training.data import make_sample, score
 from training.objectives import RANK_SHARE
@@ -55,7 +57,7 @@ from training.templates import MULTITURN, RULER, TASKS, VARIED
 HEATMAP_BUDGET = 0.0156
 LONGGEN = "niah_longgen"
 ALL_TASKS = (*TASKS, LONGGEN, MULTITURN)
-TEMPLATES = {t.name: t for t in (HELDOUT, VARIED, RULER)}
+TEMPLATES = {t.name: t for t in (HELDOUT, FRESH, VARIED, RULER)}
 
 
 def methods(budgets: list[float], chosen=METHODS) -> list[tuple[str, float]]:
@@ -237,10 +239,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=ALL_TASKS)
     parser.add_argument("--templates", default="heldout", choices=sorted(TEMPLATES),
-                        help="heldout: words and haystack training never sees; varied, ruler: training's own")
+                        help="heldout: words and haystack training never sees; fresh: a second such set, made after "
+                             "every choice the first steered (benchmarks/fresh.py); varied, ruler: training's own")
     parser.add_argument("--haystack-file", default=None,
-                        help="the templates' frozen haystack (benchmarks.heldout --write-haystack, or training.data "
-                             "--write-corpus for varied and ruler); default: read this machine's")
+                        help="the templates' frozen haystack (benchmarks.heldout or benchmarks.fresh --write-haystack, "
+                             "or training.data --write-corpus for varied and ruler); default: read this machine's")
     parser.add_argument("--longgen-tokens", type=int, default=LONGGEN_TOKENS,
                         help="niah_longgen: tokens decoded between the needle's prompt and its question")
     parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DIAGNOSTIC], choices=METHODS,

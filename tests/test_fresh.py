@@ -1,0 +1,88 @@
+"""The second held-out set (benchmarks/fresh.py) against training's templates and the first held-out set: seeded and
+exact, and nothing of it that either generator can produce (sentence forms, questions, keys, variable names), text
+that neither reads, and no import of it from training/ or from the first set."""
+import ast
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fresh import FRESH, fresh_documents, roff_text, source_paths
+from benchmarks.heldout import HELDOUT, held_out_documents
+from test_heldout import TRAINING, TRAINING_FORMS, pattern
+from training.corpus import load_corpus
+from training.data import BOS, make_sample, score
+from training.templates import MULTITURN, TASKS, with_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+HELDOUT_FORMS = [f for n in HELDOUT.needles for f in (n.needle, n.one, n.all)] + \
+    [f for p in HELDOUT.phrasings for f in (p.one, p.all, p.two)] + \
+    [f for c in HELDOUT.chains for f in (c.first, c.next, c.ask)]
+needs_manual_pages = pytest.mark.skipif(not source_paths(), reason="no manual pages on this machine")
+
+
+@needs_manual_pages
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_fresh_sample_is_seeded_exact_and_answerable(task):
+    a = make_sample(task, 2048, seed=4, templates=FRESH)
+    assert a == make_sample(task, 2048, seed=4, templates=FRESH)
+    assert a != make_sample(task, 2048, seed=5, templates=FRESH)
+    assert len(a.prompt_ids) == 2048 and a.prompt_ids[0] == BOS
+    text = bytes(a.prompt_ids[1:]).decode("ascii")
+    assert all(item in text[:text.rindex("\n")] for item in a.items)
+    assert score(a, a.answer) == 100.0
+
+
+@needs_manual_pages
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_neither_training_nor_the_first_held_out_set_produces_fresh_questions_or_needles(task):
+    forms = [pattern(f) for f in TRAINING_FORMS + HELDOUT_FORMS]
+    for seed in range(20):
+        sample = make_sample(task, 2048, seed, templates=FRESH)
+        question = sample.question
+        assert bytes(sample.prompt_ids[1:]).decode("ascii").endswith(question)
+        needles = [n.needle.format(key="K", value="1") for n in FRESH.needles]
+        for form in forms:
+            assert not form.search(question), (form.pattern, question)
+            assert not any(form.search(n) for n in needles), form.pattern
+        for turn in sample.turns:
+            assert not any(form.search(turn.question) for form in forms)
+
+
+def test_fresh_keys_and_names_share_no_word_with_training_or_the_first_held_out_set():
+    rng = random.Random(0)
+
+    def words(makers, n=3000):
+        return {w for make in makers for _ in range(n) for w in re.split(r"[^A-Za-z]+", make(rng).lower()) if w}
+
+    seen = words([with_corpus(k, None) for t in TRAINING for k in t.keys]
+                 + [with_corpus(m, None) for t in TRAINING for m in t.names] + list(HELDOUT.keys + HELDOUT.names))
+    fresh = words(FRESH.keys + FRESH.names)
+    assert fresh and seen and not fresh & seen
+
+
+def test_roff_text_keeps_the_words_and_drops_the_markup():
+    page = ('.\\" a comment\n.TH "LS" "1"\n.SH "NAME"\nls \\- list \\fBdirectory\\fR contents\\&.\n.PP\n'
+            '.B \\-a\nshow \\(aqall\\(aq entries\n.IP "\\(bu" 2m\nsorted\\e\n')
+    assert roff_text(page) == "NAME\nls - list directory contents.\n\n-a\nshow 'all' entries\n\nsorted\\"
+
+
+@needs_manual_pages
+def test_fresh_haystack_shares_no_line_with_training_or_the_first_held_out_set():
+    seen = "\n".join([load_corpus("train"), load_corpus("eval"), *held_out_documents()])
+    lines = {line.strip() for line in seen.splitlines() if len(line.strip()) >= 40}
+    docs = fresh_documents()
+    fresh = [line.strip() for d in docs for line in d.splitlines() if len(line.strip()) >= 40]
+    assert len(fresh) > 1000 and not lines.intersection(fresh)
+    paragraphs = [{line.strip() for line in p.splitlines() if len(line.strip()) >= 40}
+                  for d in docs for p in d.split("\n\n")]
+    assert sum(map(len, paragraphs)) == len(set().union(*paragraphs))  # nor a line of a paragraph taken before
+
+
+def test_neither_training_nor_the_first_held_out_set_imports_the_fresh_one():
+    for path in [*sorted((ROOT / "training").rglob("*.py")), ROOT / "benchmarks" / "heldout.py"]:
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any("fresh" in name for name in names), path
