@@ -12,14 +12,12 @@ reads a frozen copy:
 """
 from __future__ import annotations
 
-import argparse
 import random
 import re
-from functools import lru_cache
 from pathlib import Path
 
-from benchmarks.heldout import held_out_documents
-from training.corpus import freeze, load_corpus, read_ascii
+from benchmarks.heldout import eval_haystack, freeze_main, held_out_documents
+from training.corpus import load_corpus, read_ascii
 from training.templates import MULTITURN, TASKS, ChainForm, NeedleForm, Phrasing, Templates
 
 BIRDS = ("avocet bittern bunting curlew dunlin egret gannet godwit grebe hoopoe ibis kestrel kittiwake "
@@ -47,18 +45,7 @@ def fabric_name(rng: random.Random) -> str:
     return f"{rng.choice(FABRICS).upper()}{rng.randrange(1, 10)}"
 
 
-def haystack(split: str, source_file: str | None = None) -> str:
-    """The fresh haystack text; it has no training split."""
-    if split != "eval":
-        raise ValueError(f"the fresh haystack is for evaluation only, got split {split!r}")
-    return _haystack(source_file)
-
-
-@lru_cache(maxsize=2)
-def _haystack(source_file: str | None) -> str:
-    if source_file:
-        return Path(source_file).read_text(encoding="ascii")
-    return "\n\n".join(fresh_documents())
+haystack = eval_haystack("fresh", lambda: fresh_documents())  # defined below
 
 
 FRESH = Templates(
@@ -148,16 +135,5 @@ def fresh_documents() -> list[str]:
     return docs
 
 
-def write_haystack(path: str | Path) -> Path:
-    return freeze(path, "\n\n".join(fresh_documents()))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-haystack", required=True, help="file to freeze this machine's fresh text into")
-    path = write_haystack(parser.parse_args().write_haystack)
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
-
-
 if __name__ == "__main__":
-    main()
+    freeze_main(__doc__.splitlines()[0], fresh_documents)

@@ -16,6 +16,7 @@ import argparse
 import random
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from training.corpus import freeze, load_corpus, read_ascii
 from training.templates import MULTITURN, TASKS, ChainForm, NeedleForm, Phrasing, Templates
@@ -43,18 +44,30 @@ def star_name(rng: random.Random) -> str:
     return f"{rng.choice(STARS)}{rng.randrange(10, 100)}"
 
 
-def haystack(split: str, source_file: str | None = None) -> str:
-    """The held-out haystack text; it has no training split."""
-    if split != "eval":
-        raise ValueError(f"the held-out haystack is for evaluation only, got split {split!r}")
-    return _haystack(source_file)
+def eval_haystack(name: str, documents: Callable[[], list[str]]) -> Callable[[str, str | None], str]:
+    """The haystack of an evaluation-only set: `documents()` joined by blank lines, or a frozen copy of them (read
+    once per file); it has no training split."""
+    @lru_cache(maxsize=2)
+    def text(source_file: str | None) -> str:
+        return Path(source_file).read_text(encoding="ascii") if source_file else "\n\n".join(documents())
+
+    def haystack(split: str, source_file: str | None = None) -> str:
+        if split != "eval":
+            raise ValueError(f"the {name} haystack is for evaluation only, got split {split!r}")
+        return text(source_file)
+
+    return haystack
 
 
-@lru_cache(maxsize=2)
-def _haystack(source_file: str | None) -> str:
-    if source_file:
-        return Path(source_file).read_text(encoding="ascii")
-    return "\n\n".join(held_out_documents())
+def freeze_main(description: str, documents: Callable[[], list[str]]) -> None:
+    """The command line that freezes this machine's text of an evaluation-only set into one file."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--write-haystack", required=True, help="file to freeze this machine's text into")
+    path = freeze(parser.parse_args().write_haystack, "\n\n".join(documents()))
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+haystack = eval_haystack("held-out", lambda: held_out_documents())  # defined below
 
 
 HELDOUT = Templates(
@@ -108,16 +121,5 @@ def held_out_documents() -> list[str]:
     return docs
 
 
-def write_haystack(path: str | Path) -> Path:
-    return freeze(path, "\n\n".join(held_out_documents()))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write-haystack", required=True, help="file to freeze this machine's held-out text into")
-    path = write_haystack(parser.parse_args().write_haystack)
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
-
-
 if __name__ == "__main__":
-    main()
+    freeze_main(__doc__.splitlines()[0], held_out_documents)

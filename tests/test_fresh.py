@@ -1,24 +1,20 @@
 """The second held-out set (benchmarks/fresh.py) against training's templates and the first held-out set: seeded and
 exact, and nothing of it that either generator can produce (sentence forms, questions, keys, variable names), text
-that neither reads, and no import of it from training/ or from the first set."""
-import ast
-import random
-import re
+that neither reads, and no import of it from the first set."""
 from pathlib import Path
 
 import pytest
 
 from benchmarks.fresh import FRESH, fresh_documents, roff_text, source_paths
 from benchmarks.heldout import HELDOUT, held_out_documents
-from test_heldout import TRAINING, TRAINING_FORMS, pattern
+from test_heldout import (TRAINING_FORMS, TRAINING_KEY_MAKERS, assert_no_form_matches, forms_of, imported_modules,
+                          key_words)
 from training.corpus import load_corpus
 from training.data import BOS, make_sample, score
-from training.templates import MULTITURN, TASKS, with_corpus
+from training.templates import MULTITURN, TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
-HELDOUT_FORMS = [f for n in HELDOUT.needles for f in (n.needle, n.one, n.all)] + \
-    [f for p in HELDOUT.phrasings for f in (p.one, p.all, p.two)] + \
-    [f for c in HELDOUT.chains for f in (c.first, c.next, c.ask)]
+HELDOUT_FORMS = forms_of(HELDOUT.needles, HELDOUT.phrasings, HELDOUT.chains)
 needs_manual_pages = pytest.mark.skipif(not source_paths(), reason="no manual pages on this machine")
 
 
@@ -37,28 +33,12 @@ def test_fresh_sample_is_seeded_exact_and_answerable(task):
 @needs_manual_pages
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
 def test_neither_training_nor_the_first_held_out_set_produces_fresh_questions_or_needles(task):
-    forms = [pattern(f) for f in TRAINING_FORMS + HELDOUT_FORMS]
-    for seed in range(20):
-        sample = make_sample(task, 2048, seed, templates=FRESH)
-        question = sample.question
-        assert bytes(sample.prompt_ids[1:]).decode("ascii").endswith(question)
-        needles = [n.needle.format(key="K", value="1") for n in FRESH.needles]
-        for form in forms:
-            assert not form.search(question), (form.pattern, question)
-            assert not any(form.search(n) for n in needles), form.pattern
-        for turn in sample.turns:
-            assert not any(form.search(turn.question) for form in forms)
+    assert_no_form_matches(FRESH, task, TRAINING_FORMS + HELDOUT_FORMS)
 
 
 def test_fresh_keys_and_names_share_no_word_with_training_or_the_first_held_out_set():
-    rng = random.Random(0)
-
-    def words(makers, n=3000):
-        return {w for make in makers for _ in range(n) for w in re.split(r"[^A-Za-z]+", make(rng).lower()) if w}
-
-    seen = words([with_corpus(k, None) for t in TRAINING for k in t.keys]
-                 + [with_corpus(m, None) for t in TRAINING for m in t.names] + list(HELDOUT.keys + HELDOUT.names))
-    fresh = words(FRESH.keys + FRESH.names)
+    seen = key_words(TRAINING_KEY_MAKERS + list(HELDOUT.keys + HELDOUT.names))
+    fresh = key_words(FRESH.keys + FRESH.names)
     assert fresh and seen and not fresh & seen
 
 
@@ -80,9 +60,6 @@ def test_fresh_haystack_shares_no_line_with_training_or_the_first_held_out_set()
     assert sum(map(len, paragraphs)) == len(set().union(*paragraphs))  # nor a line of a paragraph taken before
 
 
-def test_neither_training_nor_the_first_held_out_set_imports_the_fresh_one():
-    for path in [*sorted((ROOT / "training").rglob("*.py")), ROOT / "benchmarks" / "heldout.py"]:
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
-            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not any("fresh" in name for name in names), path
+def test_the_first_held_out_set_does_not_import_the_fresh_one():
+    """(training/ imports nothing of benchmarks/: tests/test_heldout.py)"""
+    assert not any("fresh" in name for name in imported_modules(ROOT / "benchmarks" / "heldout.py"))

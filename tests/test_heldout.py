@@ -40,12 +40,44 @@ def training_forms(composed: int = 1500) -> list[str]:
             rng = random.Random(f"forms:{t.name}")
             for n, p, c in (t.compose(rng, None) for _ in range(composed)):
                 needles.append(n), phrasings.append(p), chains.append(c)
+    return forms_of(needles, phrasings, chains)
+
+
+def forms_of(needles, phrasings, chains) -> list[str]:
+    """The template strings of needle forms, phrasings and chain forms, each once."""
     return list(dict.fromkeys([f for n in needles for f in (n.needle, n.one, n.all)]
                               + [f for p in phrasings for f in (p.one, p.all, p.two)]
                               + [f for c in chains for f in (c.first, c.next, c.ask)]))
 
 
+def imported_modules(path: Path) -> list[str]:
+    """Every module a Python file imports, anywhere in it."""
+    return [name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])]
+
+
 TRAINING_FORMS = training_forms()
+# as samples draw them: the keys and names of any shape take the corpus's plain words too
+TRAINING_KEY_MAKERS = [with_corpus(make, None) for t in TRAINING for make in t.keys + t.names]
+
+
+def key_words(makers, n: int = 3000) -> set[str]:
+    """The words of n seeded draws of each key or name maker."""
+    rng = random.Random(0)
+    return {w for make in makers for _ in range(n) for w in re.split(r"[^A-Za-z]+", make(rng).lower()) if w}
+
+
+def assert_no_form_matches(templates, task: str, forms: list[str]) -> None:
+    """Over 20 seeds of `task` in `templates`: no form matches a prompt's question, a later turn's or a needle."""
+    patterns = [pattern(f) for f in forms]
+    needles = [n.needle.format(key="K", value="1") for n in templates.needles]
+    for seed in range(20):
+        sample = make_sample(task, 2048, seed, templates=templates)
+        assert bytes(sample.prompt_ids[1:]).decode("ascii").endswith(sample.question)
+        for form in patterns:
+            assert not form.search(sample.question), (form.pattern, sample.question)
+            assert not any(form.search(n) for n in needles), form.pattern
+            assert not any(form.search(turn.question) for turn in sample.turns), form.pattern
 
 
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
@@ -62,30 +94,13 @@ def test_heldout_sample_is_seeded_exact_and_answerable(task):
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
 def test_training_generator_cannot_produce_heldout_questions_or_needles(task):
     """Each held-out prompt's question, and each of its needles, matches no training template string."""
-    forms = [pattern(f) for f in TRAINING_FORMS]
-    for seed in range(20):
-        sample = make_sample(task, 2048, seed, templates=HELDOUT)
-        text = bytes(sample.prompt_ids[1:]).decode("ascii")
-        question = text[-200:]
-        needles = [n.needle.format(key=k, value=v) for n in HELDOUT.needles for k, v in [("K", "1")]]
-        for form in forms:
-            assert not form.search(question), (form.pattern, question)
-            assert not any(form.search(n) for n in needles), form.pattern
-        for turn in sample.turns:
-            assert not any(form.search(turn.question) for form in forms)
+    assert_no_form_matches(HELDOUT, task, TRAINING_FORMS)
 
 
 def test_heldout_keys_and_names_share_no_word_with_training_vocabularies():
-    rng = random.Random(0)
-
-    def words(makers, n=3000):
-        return {w for make in makers for _ in range(n) for w in re.split(r"[^A-Za-z]+", make(rng).lower()) if w}
-
-    # as samples draw them: the keys and names of any shape take the corpus's plain words too
-    train_keys = words([with_corpus(k, None) for t in TRAINING for k in t.keys]
-                       + [with_corpus(m, None) for t in TRAINING for m in t.names])
-    held_keys = words(HELDOUT.keys + HELDOUT.names)
+    train_keys, held_keys = key_words(TRAINING_KEY_MAKERS), key_words(HELDOUT.keys + HELDOUT.names)
     assert held_keys and train_keys and not held_keys & train_keys
+    rng = random.Random(0)
     train_shapes = [re.compile(r"[a-z]+-[a-z]+-\d\d"), re.compile(r"[a-z]+_[a-z]+_\d{3}"),
                     re.compile(r"[A-Z]{3}-\d{4}"), re.compile(r"[A-Z]{5}"), re.compile(r"v_[a-z]{4}")]
     assert all(shape.fullmatch(k(rng)) for shape, k in zip(train_shapes, [*VARIED.keys, *VARIED.names]))
@@ -124,7 +139,5 @@ def test_heldout_haystack_shares_no_line_with_the_training_corpus():
 
 def test_no_training_module_imports_the_heldout_templates():
     for path in (ROOT / "training").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                assert not any(n.startswith("benchmarks") for n in names), (path, names)
+        names = imported_modules(path)
+        assert not any(n.startswith("benchmarks") for n in names), (path, names)
