@@ -1,6 +1,7 @@
 """benchmarks/throughput.py on a tiny geometry on CPU, through the command lines: the script runs end to end, and the
 HF baseline's shortcut is honest (benchmarks/hf_check.py: its static cache decodes what its dynamic cache does). No
 speed is asserted. (Its batch shortcut, LLMEngine.fork, is the engine's: tests/test_engine.py.)"""
+import dataclasses
 import importlib.util
 import json
 
@@ -97,3 +98,20 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
     assert swept["summary"][0]["shadowkv_tiered_pipelined_device_value_share"] == best["device_value_share"]
     held = [max(r["batch"] for r in swept["rows"] if r["device_value_share"] == x) for x in (0.25, 0.75)]
     assert held[1] > held[0]  # the host bounds the batch here: less of each sequence on it holds more sequences
+
+
+def test_method_names_set_the_configuration_they_say():
+    """Each suffix of a method's name sets its own field of the run's ShadowKV config and nothing else."""
+    from benchmarks.throughput import ENGINE_METHODS, method_setup
+    from shadowkv_core.config import ShadowKVConfig
+    base = ShadowKVConfig()
+    cfg, options = method_setup("shadowkv_fp8lm_rebuild_tiered_pipelined", base, tier_share=0.375)
+    assert (cfg.value_format, cfg.landmark_format, cfg.landmark_kind) == ("fp8", "fp8", base.landmark_kind)
+    assert cfg.landmark_rebuild and cfg.device_value_share == 0.375 and options["pipeline_decode"]
+    mean, _ = method_setup("shadowkv_fp8lm_mean_tiered_pipelined", base, tier_share=0.375)
+    assert mean.landmark_kind == "mean" and not mean.landmark_rebuild
+    plain, options = method_setup("shadowkv_eager", base)
+    assert plain == dataclasses.replace(base, device_value_share=0.0) and not options["cuda_graphs"] and not options["pipeline_decode"]
+    assert method_setup("dense_fp8", base) == (None, {**options, "cuda_graphs": True, "kv_cache_dtype": "fp8"})
+    assert all(method_setup(m, base)[0] is None or method_setup(m, base)[0].landmark_rebuild == ("_rebuild" in m)
+               for m in ENGINE_METHODS)
