@@ -11,7 +11,9 @@ from test_kernels_utils import DEVICE, LLAMA3_SCALING, assert_close, rotary_for_
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import Pools
+from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.quest import QuestScorer
 
 L, HQ, HKV, D = 2, 8, 2, 32
 SCALE = D ** -0.5
@@ -38,9 +40,10 @@ def _forward(caches, rotary, lens, ctx, is_prefill, dtype, device):
     return [] if is_prefill else outs
 
 
-def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config):
+def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, scorer=None, **config):
     """Two caches (reference, fast) of a small sparse config holding the same prefill of `prompt_lens`; the fast one
-    keeps `fast_share` of each sequence's values in its device region."""
+    keeps `fast_share` of each sequence's values in its device region. scorer: a selection policy's class, an
+    instance on each cache."""
     config = ShadowKVConfig(rank=48, chunk_size=4, sparse_budget=32, outlier_chunks=3, local_chunks=2,
                             min_context=0, decode_window=8, page_chunks=4, device_value_share=0.0, **config)
     rotary = rotary_for_tests(D, scaling=LLAMA3_SCALING, device=device)
@@ -48,6 +51,8 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
               _cache(dataclasses.replace(config, device_value_share=fast_share), rotary, dtype, device,
                      use_kernels=True)]
     for cache in caches:
+        if scorer is not None:
+            cache.chunk_scorer = scorer()
         for i, n in enumerate(prompt_lens):
             cache.manager.allocate(i, n, steps + 1)
     torch.manual_seed(seed)
@@ -60,11 +65,12 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, **config
     ("fp8", 0.3, "fp8", "mean"), ("model", 0.0, "model", "bounds"), ("fp8", 0.3, "fp8", "bounds")])
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, kind, device=DEVICE,
-                                      prompt_lens=(150, 61, 97), steps=12, layer_ranks=None, landmark_rebuild=False):
+                                      prompt_lens=(150, 61, 97), steps=12, layer_ranks=None, landmark_rebuild=False,
+                                      scorer=None):
     """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
     landmarks, kind: their format and kind on both. layer_ranks: each layer's keys at its own rank.
-    landmark_rebuild: rebuilt chunks moved onto their landmarks on both."""
-    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, value_format=value_format,
+    landmark_rebuild: rebuilt chunks moved onto their landmarks on both. scorer: a selection policy on both."""
+    caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, scorer, value_format=value_format,
                                 landmark_format=landmarks, landmark_kind=kind, layer_ranks=layer_ranks,
                                 landmark_rebuild=landmark_rebuild)
     if fast_share:
@@ -106,6 +112,31 @@ def test_fast_decode_equals_reference_with_landmark_rebuild_gpu_bf16(landmarks, 
     test_fast_decode_equals_reference(torch.bfloat16, "fp8", 0.4, landmarks, kind, device="cuda",
                                       prompt_lens=(1500, 611, 977, 2048), steps=20, layer_ranks=(33, 63),
                                       landmark_rebuild=True)
+
+
+@pytest.mark.parametrize("scorer", [QuestScorer, StreamingScorer, SnapKVScorer, ChunkOracleScorer])
+def test_fast_decode_equals_reference_with_a_selection_policy(scorer):
+    """A policy's chunks (Quest, the eviction baselines, the oracle) on the kernels: its scores per sequence, the
+    rest of the step as ShadowKV's, through folds that extend what the policy keeps."""
+    test_fast_decode_equals_reference(torch.float32, "model", 0.0, "model", "bounds", scorer=scorer)
+
+
+def test_a_selection_policys_decode_is_never_captured_in_a_cuda_graph():
+    """Its scores are asked on the host each step: a graph replay would skip them."""
+    caches, _ = _prefilled(torch.float32, DEVICE, (150,), 1, 0, scorer=StreamingScorer)
+    meta = AttentionMetadata(False, [0], [1], [150], torch.tensor([150], device=DEVICE))
+    assert caches[1].graph_inputs(meta) is None
+    caches[1].chunk_scorer = None
+    assert caches[1].graph_inputs(meta) is not None
+    for cache in caches:
+        cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scorer", [QuestScorer, StreamingScorer, SnapKVScorer])
+def test_fast_decode_equals_reference_with_a_selection_policy_gpu_bf16(scorer):
+    test_fast_decode_equals_reference(torch.bfloat16, "model", 0.0, "model", "bounds", device="cuda",
+                                      prompt_lens=(1500, 611, 977, 2048), steps=20, scorer=scorer)
 
 
 @pytest.mark.gpu

@@ -90,9 +90,8 @@ class ShadowKVCache(KVCache):
         return states
 
     def _decodes_fast(self, meta: AttentionMetadata) -> bool:
-        """Whether a forward decodes on the kernels (else: prefill, or the reference path, which a custom chunk
-        scorer also takes)."""
-        return not meta.is_prefill and self.spec.kernels and self.chunk_scorer is None
+        """Whether a forward decodes on the kernels (else: prefill, or the reference path)."""
+        return not meta.is_prefill and self.spec.kernels
 
     def _plan(self, meta: AttentionMetadata) -> DecodePlan:
         """The forward's plan, built once per metadata object (held with it, so that its id cannot be reused by a
@@ -150,7 +149,7 @@ class ShadowKVCache(KVCache):
             self._plan(meta)
 
     def graph_inputs(self, meta: AttentionMetadata):
-        if not self._decodes_fast(meta):
+        if not self._decodes_fast(meta) or self.chunk_scorer is not None:  # a policy scores on the host each step
             return None
         plan = self._plan(meta)
         return plan.graph_key, plan.tensors()

@@ -81,11 +81,26 @@ def end_decode_layer(cache, pending: PendingLayer) -> torch.Tensor:
 
 
 def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
-    """Score the landmarks and pick the top-k chunks -> (B, Hkv, k_max), by score as reference.select_chunks."""
+    """Score the landmarks (or ask the cache's selection policy) and pick the top-k chunks -> (B, Hkv, k_max), by
+    score as reference.select_chunks."""
+    if cache.chunk_scorer is not None:
+        return topk_indices(policy_scores(cache, layer, plan, q), plan.k_max)
     scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), cache.gpu.landmarks[layer], plan.gpu_table,
                              plan.num_chunks, cache.gpu.outlier_flags[layer], plan.n_max, cache.spec.scale,
                              landmark_scales=cache.gpu.landmark_scales_of(layer))
     return topk_indices(scores, plan.k_max)
+
+
+def policy_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+    """The selection policy's scores of each sequence's chunks (its scores(), as the reference path asks them), laid
+    out as landmark_scores': (B, Hkv, n_max) fp32, -inf past a sequence's chunks. Per sequence on the host: a
+    policy's bookkeeping is, so its decode is never captured in a CUDA graph (ShadowKVCache.graph_inputs)."""
+    B, Hkv = len(plan.states), cache.spec.num_kv_heads
+    scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, st in enumerate(plan.states):
+        excluded = cache.gpu.read_outliers(layer, st.gpu_table, st.num_shadow)  # (Hkv, n)
+        scores[b, :, :st.num_shadow] = cache.chunk_scorer.scores(layer, st, q[b], excluded, cache.spec.scale)
+    return scores
 
 
 def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tuple[tuple, list]:

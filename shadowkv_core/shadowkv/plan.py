@@ -64,6 +64,7 @@ class DecodePlan:
     counters: torch.Tensor  # (2,) int32 chunks fetched this forward and those from the device value region, summed
     # over layers (read once, after the step)
     buffers: list[torch.Tensor]  # the device tensors built for the plan: every tensor above is one or a view of one
+    states: tuple[SequenceState, ...]  # the batch's host bookkeeping (a selection policy scores by it)
 
     @staticmethod
     def build(states: list[SequenceState], config, rotary, page_tables: PageTables, num_kv_heads: int) -> DecodePlan:
@@ -91,7 +92,7 @@ class DecodePlan:
             inv_freq=inv_freq, n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys),
             num_selections=sum(selected) * num_kv_heads, counters=counters,
-            buffers=[ints, small, tables, inv_freq, counters])
+            buffers=[ints, small, tables, inv_freq, counters], states=tuple(states))
 
     @property
     def misses(self) -> torch.Tensor:
