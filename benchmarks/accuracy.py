@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.accuracy_runs import (CACHED, DENSE, DIAGNOSTIC, EVICTION, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
+from benchmarks.accuracy_runs import (BASELINES, CACHED, DENSE, DIAGNOSTIC, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
                                       conversation, generate, longgen_parts)
 from benchmarks.accuracy_stats import cell_interval, combined, fmt, row_interval
 from benchmarks.fresh import FRESH
@@ -87,7 +87,7 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                 base["hit_rate"] = round(sum(hit_rates) / len(hit_rates), 4)
             if args.calibrate_ranks and method not in DENSE and rank_share_of(args, method) < 1:  # else exact keys
                 base["layer_ranks"] = "calibrated"
-            if args.landmark_rebuild and method not in DENSE:
+            if args.landmark_rebuild and method not in (*DENSE, *BASELINES):
                 base["landmark_rebuild"] = True
             for depth in args.niah_depths if task == "niah_grid" else [None]:
                 chosen = [v for s, v in zip(samples, per_sample) if depth is None or _nearest(args, s) == depth]
@@ -100,9 +100,6 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                     f"({base['seconds']:.1f}s)")
             save(rows)
     return rows
-
-
-BASELINES = ("quest", *EVICTION)  # published methods that read exact keys
 
 
 def rank_share_of(args, method: str) -> float:
@@ -254,9 +251,9 @@ def main() -> None:
     parser.add_argument("--calibrate-ranks", metavar="TEXT_FILE", default=None,
                         help="keep each layer's keys at its own rank, chosen on this text's keys with the mean rank "
                              "the method's (ShadowKVConfig.layer_ranks, shadowkv.ranks); default: every layer at it")
-    parser.add_argument("--landmark-rebuild", action="store_true",
-                        help="rebuilt keys moved onto their chunk's landmark (ShadowKVConfig.landmark_rebuild), in "
-                             "every method whose keys are rebuilt")
+    parser.add_argument("--landmark-rebuild", action=argparse.BooleanOptionalAction, default=True,
+                        help="ShadowKV's rebuilt keys moved onto their chunk's landmark (ShadowKVConfig.landmark_rebuild, "
+                             "its default); the baselines' keys never")
     parser.add_argument("--baseline-rank-share", "--quest-rank-share", type=float, default=1.0,
                         help="Quest's, StreamingLLM's and SnapKV's; 1.0 rebuilds their chunks' keys exactly, as "
                              "they read them (--quest-rank-share, its earlier name, when only Quest's was)")

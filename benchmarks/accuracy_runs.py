@@ -46,6 +46,7 @@ DENSE = ("dense", "dense_fp8", "dense_prefix", "dense_timed")  # full attention:
 SCORERS = {"quest": QuestScorer, "streamingllm": StreamingScorer, "snapkv": SnapKVScorer,
            "chunk_oracle": ChunkOracleScorer}
 EVICTION = ("streamingllm", "snapkv")
+BASELINES = ("quest", *EVICTION)  # published methods: they read their chunks' keys as they are, never corrected
 # a conversation's turns on one engine, served from its prefix cache: the method each runs as
 CACHED = {"shadowkv_prefix": "shadowkv", "dense_prefix": "dense"}
 # ShadowKV methods with the paper's mean landmarks (ShadowKVConfig.landmark_kind, bounds by default): the method each
@@ -104,23 +105,24 @@ def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
           max_model_len: int, forced: bool = False, conversations: int = 0,
-          calibration_file: str | None = None, landmark_rebuild: bool = False) -> LLM:
-    """The method's engine (a cached method's: its uncached method's). Every method but the TIMED ones runs the
-    PyTorch reference decode path (the selection policies need it; the kernels equal it by test); those run
-    what the engine does by default on the device. `forced`: each step read back before the next (teacher forcing
+          calibration_file: str | None = None, landmark_rebuild: bool = True) -> LLM:
+    """The method's engine (a cached method's: its uncached method's). The TIMED methods run what the engine does by
+    default on the device; the BASELINES its kernels where it has them (their policies' scores asked per sequence,
+    without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test. `forced`: each step read back before the next (teacher forcing
     rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
     beyond CACHE_GIB (live, and their prefixes cached beside them). calibration_file: the keys kept at per-layer
     ranks calibrated on that text (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at
-    the method's rank. landmark_rebuild: its rebuilt keys moved onto their landmarks (ShadowKVConfig)."""
+    the method's rank. landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig);
+    the BASELINES' never."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
     if config is not None and calibration_file is not None:
         spectra = calibration_spectra(model, calibration_file, device)
         if config.rank < len(spectra[0]):
             config = dataclasses.replace(config, layer_ranks=allocate_ranks(list(spectra), config.rank))
-    if config is not None and landmark_rebuild:
-        config = dataclasses.replace(config, landmark_rebuild=True)
-    speed = {} if method in TIMED else {"use_kernels": False}
+    if config is not None:
+        config = dataclasses.replace(config, landmark_rebuild=landmark_rebuild and method not in BASELINES)
+    speed = {} if method in (*TIMED, *BASELINES) else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False
     gib = CACHE_GIB + _conversations_gib(model, config, conversations, max_model_len)

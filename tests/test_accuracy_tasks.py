@@ -58,16 +58,19 @@ def test_the_baselines_read_exact_keys_and_shadowkv_its_own_rank():
         .config.rank == 128
 
 
-def test_landmark_rebuild_reaches_every_rebuilding_methods_engine_and_leaves_dense_alone():
-    for method in ("shadowkv", "shadowkv_timed", "quest", "snapkv"):
-        assert build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600, landmark_rebuild=True).engine.cache.shadow \
-            .config.landmark_rebuild, method
-        assert not build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600).engine.cache.shadow.config.landmark_rebuild
+def test_landmark_rebuild_reaches_shadowkvs_engines_by_default_and_never_the_baselines_or_dense():
+    def rebuilds(method: str, **flag) -> bool:
+        return build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600, **flag).engine.cache.shadow.config.landmark_rebuild
+    for method in ("shadowkv", "shadowkv_timed", "chunk_oracle"):
+        assert rebuilds(method) and not rebuilds(method, landmark_rebuild=False), method
+    for method in ("quest", "streamingllm", "snapkv"):
+        assert not rebuilds(method) and not rebuilds(method, landmark_rebuild=True), method
     assert build(MODEL, "dense", 512, 1.0, "cpu", 0.5, 600, landmark_rebuild=True).engine.config.shadowkv is None
 
 
-def test_timed_methods_run_the_engines_default_decode_path_and_the_rest_the_reference():
-    for method, kernels in (("dense", False), ("dense_timed", "auto"), ("shadowkv", False), ("shadowkv_timed", "auto")):
+def test_timed_methods_and_baselines_run_the_engines_default_decode_path_and_the_rest_the_reference():
+    for method, kernels in (("dense", False), ("dense_timed", "auto"), ("shadowkv", False), ("shadowkv_timed", "auto"),
+                            ("quest", "auto"), ("snapkv", "auto"), ("streamingllm", "auto"), ("chunk_oracle", False)):
         llm = build(MODEL, method, 512, 0.1, "cpu", 20 / 128, 600)
         assert llm.engine.config.use_kernels == kernels, method
         assert (llm.engine.config.shadowkv is None) == method.startswith("dense"), method
@@ -148,8 +151,8 @@ def test_rows_name_calibrated_ranks_only_where_the_keys_are_low_rank_and_name_la
                      templates="heldout", niah_depths=[])
     rows = score_rows(args, {("niah_single", 1024): [None]}, lambda rows: None, lambda msg: None)
     labels = {r["method"]: (r.get("layer_ranks"), r.get("landmark_rebuild")) for r in rows}
-    assert labels == {"dense": (None, None), "shadowkv": ("calibrated", True), "quest": (None, True),
-                      "snapkv": (None, True)}
+    assert labels == {"dense": (None, None), "shadowkv": ("calibrated", True), "quest": (None, None),
+                      "snapkv": (None, None)}
     args.baseline_rank_share = 20 / 128  # the baselines on ShadowKV's low-rank keys: calibrated as well
     rows = score_rows(args, {("niah_single", 1024): [None]}, lambda rows: None, lambda msg: None)
     assert {r["method"]: r.get("layer_ranks") for r in rows}["quest"] == "calibrated"
