@@ -55,7 +55,7 @@ MEAN = {"shadowkv_mean": "shadowkv", "shadowkv_timed_mean": "shadowkv_timed"}
 # on the engine's default decode path, not the reference's
 TIMED = ("shadowkv_timed", "shadowkv_timed_mean", "dense_timed")
 # fp8 values; fp8 landmarks as well; the timed configuration (kernels, CUDA graphs, async and pipelined decode where
-# the device has them, fp8 values, the device tier)
+# the device has them, fp8 values and landmarks, the device tier: the decode throughput headline's)
 METHODS = (*DENSE, "shadowkv", "shadowkv_prefix", "quest", "streamingllm", "snapkv", "shadowkv_fp8", "shadowkv_fp8lm",
            "shadowkv_timed", *MEAN, "chunk_oracle")
 DIAGNOSTIC = ("chunk_oracle",)  # run only when named: a ceiling, not a method
@@ -86,7 +86,7 @@ def method_config(model: str, method: str, context: int, budget: float, rank_sha
                                    landmark_kind="mean")
     fp8 = method in ("shadowkv_fp8", "shadowkv_fp8lm", "shadowkv_timed")
     config = shadowkv_config(model, context, budget, rank_share, "fp8" if fp8 else "model",
-                             "fp8" if method == "shadowkv_fp8lm" else "model")
+                             "fp8" if method in ("shadowkv_fp8lm", "shadowkv_timed") else "model")
     if method in EVICTION:
         return dataclasses.replace(config, outlier_chunks=0,
                                    sparse_budget=config.sparse_budget + OUTLIER_CHUNKS * CHUNK)

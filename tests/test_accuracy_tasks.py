@@ -165,3 +165,13 @@ def test_cached_methods_run_the_multiturn_task_alone(capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"dense_prefix 1.0: runs {MULTITURN} only, skips 1 other cells",
         f"shadowkv_prefix 0.0156: runs {MULTITURN} only, skips 1 other cells"]
+
+
+def test_the_timed_method_is_the_throughput_headlines_configuration():
+    """fp8 values and landmarks and the device tier, as benchmarks/throughput.py's shadowkv_fp8lm_tiered_pipelined."""
+    from benchmarks.accuracy_runs import TIMED_DEVICE_VALUE_SHARE, method_config
+    timed = method_config(MODEL, "shadowkv_timed", 4096, 0.0156, 20 / 128)
+    assert (timed.value_format, timed.landmark_format) == ("fp8", "fp8")
+    assert timed.device_value_share == TIMED_DEVICE_VALUE_SHARE
+    plain = method_config(MODEL, "shadowkv", 4096, 0.0156, 20 / 128)
+    assert (plain.value_format, plain.landmark_format) == ("model", "model")
