@@ -105,7 +105,7 @@ def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
           max_model_len: int, forced: bool = False, conversations: int = 0,
-          calibration_file: str | None = None, landmark_rebuild: bool = True) -> LLM:
+          calibration_file: str | None = None, landmark_rebuild: bool = False) -> LLM:
     """The method's engine (a cached method's: its uncached method's). The TIMED methods run what the engine does by
     default on the device; the BASELINES its kernels where it has them (their policies' scores asked per sequence,
     without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test. `forced`: each step read back before the next (teacher forcing

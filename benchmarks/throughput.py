@@ -49,7 +49,7 @@ from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shado
 ENGINE_METHODS = ("dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
                   "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined", "shadowkv_fp8lm_mean_tiered_pipelined",
-                  "shadowkv_fp8lm_norebuild_tiered_pipelined")
+                  "shadowkv_fp8lm_rebuild_tiered_pipelined")
 SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *SYNC_METHODS, "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
@@ -71,8 +71,8 @@ def geometry_config(name: str, max_len: int) -> dict:
 # ---- engines --------------------------------------------------------------------------------------------------
 def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config;
-    a _mean method keeps the paper's mean landmarks, a _norebuild one leaves rebuilt keys off their landmarks
-    (landmark_rebuild off), a _tiered one tier_share of each sequence's values on the
+    a _mean method keeps the paper's mean landmarks, a _rebuild one moves rebuilt keys onto their landmarks
+    (landmark_rebuild), a _tiered one tier_share of each sequence's values on the
     device; _eager runs without CUDA graphs, _sync without async decode (each step read back before the next is
     launched)."""
     sync = method.endswith("_sync")
@@ -82,8 +82,8 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = base.removesuffix("_pipelined")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
-    unmoved = base.endswith("_norebuild")
-    base = base.removesuffix("_norebuild")
+    rebuild = base.endswith("_rebuild")
+    base = base.removesuffix("_rebuild")
     mean = base.endswith("_mean")
     base = base.removesuffix("_mean")
     shadow = {"dense": None, "dense_fp8": None, "hf": None, "hf_static": None, "shadowkv": cfg,
@@ -92,7 +92,7 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     if shadow is not None:
         shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0,
                                      landmark_kind="mean" if mean else shadow.landmark_kind,
-                                     landmark_rebuild=shadow.landmark_rebuild and not unmoved)
+                                     landmark_rebuild=rebuild or shadow.landmark_rebuild)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                     "pipeline_min_batch": 2, "async_decode": False if sync else "auto",
                     "kv_cache_dtype": "fp8" if base == "dense_fp8" else "auto"}

@@ -53,8 +53,8 @@ class ShadowKVConfig:
         a chunk scores q·mean). Outliers are the chunks worst approximated by their mean either way.
     landmark_rebuild: rebuilt keys also meet their chunk's landmark, which holds the exact keys' summary: each
         rebuilt chunk is moved so that its midpoint per dimension (mean, for mean landmarks) is the landmark's, and,
-        for bounds, clamped into the bounds. The low-rank error the chunk shares is taken out at no extra memory
-        (docs/accuracy.md, "Keys onto their landmarks").
+        for bounds, clamped into the bounds. The low-rank error the chunk shares is taken out at no extra memory,
+        for a slower decode step (docs/accuracy.md, "Keys onto their landmarks").
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
         first pages, rounded down to whole pages): a hit there costs no PCIe. "auto": the share under which the
         replica's pools hold the most sequences of max_model_len tokens (memory_model.best_device_value_share), on
@@ -74,7 +74,7 @@ class ShadowKVConfig:
     landmark_kind: str = "bounds"
     device_value_share: float | str = AUTO
     layer_ranks: tuple[int, ...] | None = None
-    landmark_rebuild: bool = True
+    landmark_rebuild: bool = False
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")

@@ -105,13 +105,13 @@ def test_method_names_set_the_configuration_they_say():
     from benchmarks.throughput import ENGINE_METHODS, method_setup
     from shadowkv_core.config import ShadowKVConfig
     base = ShadowKVConfig()
-    cfg, options = method_setup("shadowkv_fp8lm_norebuild_tiered_pipelined", base, tier_share=0.375)
+    cfg, options = method_setup("shadowkv_fp8lm_rebuild_tiered_pipelined", base, tier_share=0.375)
     assert (cfg.value_format, cfg.landmark_format, cfg.landmark_kind) == ("fp8", "fp8", base.landmark_kind)
-    assert not cfg.landmark_rebuild and cfg.device_value_share == 0.375 and options["pipeline_decode"]
+    assert cfg.landmark_rebuild and cfg.device_value_share == 0.375 and options["pipeline_decode"]
     mean, _ = method_setup("shadowkv_fp8lm_mean_tiered_pipelined", base, tier_share=0.375)
-    assert mean.landmark_kind == "mean" and mean.landmark_rebuild == base.landmark_rebuild
+    assert mean.landmark_kind == "mean" and not mean.landmark_rebuild
     plain, options = method_setup("shadowkv_eager", base)
     assert plain == dataclasses.replace(base, device_value_share=0.0) and not options["cuda_graphs"] and not options["pipeline_decode"]
     assert method_setup("dense_fp8", base) == (None, {**options, "cuda_graphs": True, "kv_cache_dtype": "fp8"})
-    assert all(method_setup(m, base)[0] is None or method_setup(m, base)[0].landmark_rebuild == ("_norebuild" not in m)
+    assert all(method_setup(m, base)[0] is None or method_setup(m, base)[0].landmark_rebuild == ("_rebuild" in m)
                for m in ENGINE_METHODS)
