@@ -252,8 +252,8 @@ def main() -> None:
                         help="keep each layer's keys at its own rank, chosen on this text's keys with the mean rank "
                              "the method's (ShadowKVConfig.layer_ranks, shadowkv.ranks); default: every layer at it")
     parser.add_argument("--landmark-rebuild", action="store_true",
-                        help="ShadowKV's rebuilt keys moved onto their chunk's landmark (ShadowKVConfig.landmark_rebuild); "
-                             "the baselines' keys never")
+                        help="ShadowKV's rebuilt keys moved onto their chunk's landmark "
+                             "(ShadowKVConfig.landmark_rebuild); the baselines' keys never")
     parser.add_argument("--baseline-rank-share", "--quest-rank-share", type=float, default=1.0,
                         help="Quest's, StreamingLLM's and SnapKV's; 1.0 rebuilds their chunks' keys exactly, as "
                              "they read them (--quest-rank-share, its earlier name, when only Quest's was)")

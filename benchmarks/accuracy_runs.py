@@ -108,9 +108,10 @@ def build(model: str, method: str, context: int, budget: float, device: str, ran
           calibration_file: str | None = None, landmark_rebuild: bool = False) -> LLM:
     """The method's engine (a cached method's: its uncached method's). The TIMED methods run what the engine does by
     default on the device; the BASELINES its kernels where it has them (their policies' scores asked per sequence,
-    without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test. `forced`: each step read back before the next (teacher forcing
-    rewrites the token a step sampled). `conversations`: sequences of max_model_len tokens its cache holds twice over
-    beyond CACHE_GIB (live, and their prefixes cached beside them). calibration_file: the keys kept at per-layer
+    without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test.
+    `forced`: each step read back before the next (teacher forcing rewrites the token a step sampled).
+    `conversations`: sequences of max_model_len tokens its cache holds twice over beyond CACHE_GIB (live, and their
+    prefixes cached beside them). calibration_file: the keys kept at per-layer
     ranks calibrated on that text (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at
     the method's rank. landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig);
     the BASELINES' never."""

@@ -18,8 +18,8 @@ RUN = ["--model", "tiny", "--device", "cpu", "--contexts", "512", "--warmup-step
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One run of every kind of method: dense (model dtype and fp8 KV), ShadowKV (bf16 and fp8 values; CUDA graphs asked for and not), HF's
-    two caches."""
+    """One run of every kind of method: dense (model dtype and fp8 KV), ShadowKV (bf16 and fp8 values; CUDA graphs
+    asked for and not), HF's two caches."""
     root = tmp_path_factory.mktemp("throughput")
     kernels = root / "kernels.json"
     kernels.write_text(json.dumps({"meta": {}, "rows": [{"kernel": "fetch_values"}]}))
@@ -111,7 +111,8 @@ def test_method_names_set_the_configuration_they_say():
     mean, _ = method_setup("shadowkv_fp8lm_mean_tiered_pipelined", base, tier_share=0.375)
     assert mean.landmark_kind == "mean" and not mean.landmark_rebuild
     plain, options = method_setup("shadowkv_eager", base)
-    assert plain == dataclasses.replace(base, device_value_share=0.0) and not options["cuda_graphs"] and not options["pipeline_decode"]
+    assert plain == dataclasses.replace(base, device_value_share=0.0)
+    assert not options["cuda_graphs"] and not options["pipeline_decode"]
     assert method_setup("dense_fp8", base) == (None, {**options, "cuda_graphs": True, "kv_cache_dtype": "fp8"})
-    assert all(method_setup(m, base)[0] is None or method_setup(m, base)[0].landmark_rebuild == ("_rebuild" in m)
-               for m in ENGINE_METHODS)
+    shadow = {m: method_setup(m, base)[0] for m in ENGINE_METHODS}
+    assert all(cfg is None or cfg.landmark_rebuild == ("_rebuild" in m) for m, cfg in shadow.items())

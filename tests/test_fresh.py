@@ -7,10 +7,9 @@ import pytest
 
 from benchmarks.fresh import FRESH, fresh_documents, roff_text, source_paths
 from benchmarks.heldout import HELDOUT, held_out_documents
-from test_heldout import (TRAINING_FORMS, TRAINING_KEY_MAKERS, assert_no_form_matches, forms_of, imported_modules,
-                          key_words)
+from test_heldout import (TRAINING_FORMS, TRAINING_KEY_MAKERS, assert_no_form_matches,
+                          assert_seeded_exact_and_answerable, forms_of, imported_modules, key_words)
 from training.corpus import load_corpus
-from training.data import BOS, make_sample, score
 from training.templates import MULTITURN, TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,13 +20,7 @@ needs_manual_pages = pytest.mark.skipif(not source_paths(), reason="no manual pa
 @needs_manual_pages
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
 def test_fresh_sample_is_seeded_exact_and_answerable(task):
-    a = make_sample(task, 2048, seed=4, templates=FRESH)
-    assert a == make_sample(task, 2048, seed=4, templates=FRESH)
-    assert a != make_sample(task, 2048, seed=5, templates=FRESH)
-    assert len(a.prompt_ids) == 2048 and a.prompt_ids[0] == BOS
-    text = bytes(a.prompt_ids[1:]).decode("ascii")
-    assert all(item in text[:text.rindex("\n")] for item in a.items)
-    assert score(a, a.answer) == 100.0
+    assert_seeded_exact_and_answerable(FRESH, task)
 
 
 @needs_manual_pages

@@ -80,15 +80,21 @@ def assert_no_form_matches(templates, task: str, forms: list[str]) -> None:
             assert not any(form.search(turn.question) for turn in sample.turns), form.pattern
 
 
-@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
-def test_heldout_sample_is_seeded_exact_and_answerable(task):
-    a = make_sample(task, 2048, seed=4, templates=HELDOUT)
-    assert a == make_sample(task, 2048, seed=4, templates=HELDOUT)
-    assert a != make_sample(task, 2048, seed=5, templates=HELDOUT)
+def assert_seeded_exact_and_answerable(templates, task: str) -> None:
+    """A seed makes one sample and another seed another; it fills its context, holds every answer item before its
+    question, and its own answer scores 100."""
+    a = make_sample(task, 2048, seed=4, templates=templates)
+    assert a == make_sample(task, 2048, seed=4, templates=templates)
+    assert a != make_sample(task, 2048, seed=5, templates=templates)
     assert len(a.prompt_ids) == 2048 and a.prompt_ids[0] == BOS
     text = bytes(a.prompt_ids[1:]).decode("ascii")
-    assert all(item in text[:text.rindex("\n")] for item in a.items)  # every answer item is in the context
+    assert all(item in text[:text.rindex("\n")] for item in a.items)
     assert score(a, a.answer) == 100.0
+
+
+@pytest.mark.parametrize("task", (*TASKS, MULTITURN))
+def test_heldout_sample_is_seeded_exact_and_answerable(task):
+    assert_seeded_exact_and_answerable(HELDOUT, task)
 
 
 @pytest.mark.parametrize("task", (*TASKS, MULTITURN))
