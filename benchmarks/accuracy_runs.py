@@ -111,10 +111,9 @@ def build(model: str, method: str, context: int, budget: float, device: str, ran
     without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test.
     `forced`: each step read back before the next (teacher forcing rewrites the token a step sampled).
     `conversations`: sequences of max_model_len tokens its cache holds twice over beyond CACHE_GIB (live, and their
-    prefixes cached beside them). calibration_file: the keys kept at per-layer
-    ranks calibrated on that text (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at
-    the method's rank. landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig);
-    the BASELINES' never."""
+    prefixes cached beside them). calibration_file: the keys kept at per-layer ranks calibrated on that text
+    (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at the method's rank.
+    landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig); the BASELINES' never."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
     if config is not None and calibration_file is not None:

@@ -93,8 +93,8 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
 
 def policy_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
     """The selection policy's scores of each sequence's chunks (its scores(), as the reference path asks them), laid
-    out as landmark_scores': (B, Hkv, n_max) fp32, -inf past a sequence's chunks. Per sequence on the host: a
-    policy's bookkeeping is, so its decode is never captured in a CUDA graph (ShadowKVCache.graph_inputs)."""
+    out as landmark_scores': (B, Hkv, n_max) fp32, -inf past a sequence's chunks. Asked per sequence, from the
+    policy's own bookkeeping on the host: its decode is never captured in a CUDA graph (ShadowKVCache.graph_inputs)."""
     B, Hkv = len(plan.states), cache.spec.num_kv_heads
     scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
     for b, st in enumerate(plan.states):
