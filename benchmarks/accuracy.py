@@ -30,7 +30,9 @@ cells of other tasks are skipped, with a note. Every niah_multiturn row records,
 query tokens and evictions.
 Every cell gets a 95 % interval (benchmarks/accuracy_stats.py). Writes benchmarks/results/accuracy.json (a list of
 rows, each with its per-sample scores), accuracy.meta.json (the runs: command, device, versions, timings; --merge
-adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method.
+adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method. --shard i k
+scores every k-th sample of each cell from the i-th, so that a cell too slow for one process runs as k side by side;
+--combine joins the k shards' rows into whole cells.
 
     python -m benchmarks.accuracy --model models/shadowkv-small --device cuda
 """
@@ -83,6 +85,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
             per_sample, hit_rates, extra = run_group(args, method, budget, task, context, samples)
             base = {"task": task, "context": context, "method": method, "budget": budget,
                     "templates": args.templates, "seconds": round(time.time() - began, 2), **extra}
+            if args.shard:
+                base["shard"] = list(args.shard)
             if hit_rates:
                 base["hit_rate"] = round(sum(hit_rates) / len(hit_rates), 4)
             if args.calibrate_ranks and method not in DENSE and rank_share_of(args, method) < 1:  # else exact keys
@@ -144,12 +148,64 @@ def sample_groups(args) -> dict[tuple, list]:
     words = {"templates": TEMPLATES[args.templates], "corpus_file": args.haystack_file}
     made = {LONGGEN: "niah_multikey"}  # the long-generation task asks a needle among four
     groups = {(task, c): [make_sample(made.get(task, task), c, seed, turn=0 if task == MULTITURN else None, **words)
-                          for seed in range(args.samples)]
+                          for seed in shard_seeds(args.samples, args.shard)]
               for c in args.contexts for task in args.tasks}
     for c in args.niah_contexts:  # depths as asked: the grid's needles sit where the table says
         groups[("niah_grid", c)] = [make_sample("niah_single", c, 10_000 + seed, depth=depth, **words)
-                                    for depth in args.niah_depths for seed in range(args.niah_samples)]
+                                    for depth in args.niah_depths
+                                    for seed in shard_seeds(args.niah_samples, args.shard)]
     return groups
+
+
+def shard_seeds(samples: int, shard: tuple[int, int] | None) -> list[int]:
+    """The seeds a run scores: all of range(samples), or shard (i, k)'s, every k-th from i."""
+    return list(range(samples)) if shard is None else list(range(shard[0], samples, shard[1]))
+
+
+# what a row's shards add up, besides their scores: the rest of a row must be the same in each
+SUMMED = ("seconds", "turn_prefix_hit_tokens", "turn_prefix_query_tokens", "turn_prefix_evictions")
+WEIGHTED = ("hit_rate", "turn_scores")  # means over samples
+SCORED = ("score", "low", "high", "samples", "scores", "shard")
+
+
+def join_shards(rows: list[dict]) -> list[dict]:
+    """Rows run in shards (--shard i k: every k-th sample from i) joined into one row per cell, its scores in seed
+    order and its interval over all of them; rows run whole pass through. Raises if a cell lacks a shard or has one
+    twice, or if its shards differ in anything but what they measured."""
+    whole, parts = [], {}
+    for r in rows:
+        if "shard" not in r:
+            whole.append(r)
+            continue
+        key = json.dumps({f: v for f, v in r.items() if f not in (*SCORED, *SUMMED, *WEIGHTED)}, sort_keys=True)
+        parts.setdefault(key, []).append(r)
+    for key, shards in parts.items():
+        k = shards[0]["shard"][1]
+        found = sorted(s["shard"][0] for s in shards)
+        if found != list(range(k)) or any(s["shard"][1] != k for s in shards):
+            raise ValueError(f"shards of {key} are {[s['shard'] for s in shards]}: need each of 0..{k - 1} of {k} "
+                             "once")
+        by_seed = {}
+        for s in shards:
+            by_seed.update(zip(range(s["shard"][0], s["shard"][0] + k * len(s["scores"]), k), s["scores"]))
+        if sorted(by_seed) != list(range(len(by_seed))):
+            raise ValueError(f"shards of {key} leave seeds out (run with different --samples?): "
+                             f"{sorted(set(range(max(by_seed) + 1)) - set(by_seed))}")
+        scores = [by_seed[seed] for seed in sorted(by_seed)]
+        joined = {f: v for f, v in shards[0].items() if f not in (*SCORED, *SUMMED, *WEIGHTED)}
+        for f in SUMMED:
+            if f in shards[0]:
+                values = [s[f] for s in shards]
+                joined[f] = round(sum(values), 2) if f == "seconds" else [sum(t) for t in zip(*values)]
+        for f in WEIGHTED:
+            if f in shards[0]:
+                values, n = [(s[f], s["samples"]) for s in shards], len(scores)
+                joined[f] = (round(sum(v * w for v, w in values) / n, 4) if f == "hit_rate"
+                             else [sum(v[i] * w for v, w in values) / n for i in range(len(values[0][0]))])
+        mean, low, high = cell_interval(scores)
+        whole.append({**joined, "score": mean, "low": round(low, 2), "high": round(high, 2), "samples": len(scores),
+                      "scores": scores})
+    return whole
 
 
 def markdown(rows: list[dict]) -> str:
@@ -263,6 +319,9 @@ def main() -> None:
     parser.add_argument("--niah-contexts", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--niah-depths", type=float, nargs="*", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--niah-samples", type=int, default=10, help="per grid cell (context, depth)")
+    parser.add_argument("--shard", type=int, nargs=2, metavar=("I", "K"), default=None,
+                        help="score every K-th sample from the I-th (0-based) of each cell; --combine joins the K "
+                             "shards' rows into whole cells")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="start no run past this")
     parser.add_argument("--merge", action="store_true",
@@ -272,10 +331,12 @@ def main() -> None:
                         help="run nothing: join the results of runs made side by side (each DIR an --out-dir) into "
                              "--out-dir")
     args = parser.parse_args()
+    if args.shard and not 0 <= args.shard[0] < args.shard[1]:
+        parser.error(f"--shard I K needs 0 <= I < K, got {args.shard[0]} {args.shard[1]}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.combine:
-        rows = [r for d in args.combine for r in json.loads((Path(d) / "accuracy.json").read_text())]
+        rows = join_shards([r for d in args.combine for r in json.loads((Path(d) / "accuracy.json").read_text())])
         runs = [run for d in args.combine for run in earlier_runs(Path(d) / "accuracy.meta.json")]
         print(write_results(out_dir, rows, runs))
         return

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.accuracy import kept_rows, markdown
+from benchmarks.accuracy import join_shards, kept_rows, markdown, shard_seeds
 from benchmarks.accuracy_stats import average_interval, cell_interval, wilson
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy.json"
@@ -87,3 +87,53 @@ def test_the_shipped_rows_stay_readable_and_merge_by_templates(tmp_path):
     path.write_text(RESULTS.read_text())
     assert kept_rows(path, [("dense", 1.0, "heldout")]) == rows  # another templates' run keeps them all
     assert not any(r["method"] == "dense" for r in kept_rows(path, [("dense", 1.0, "ruler")]))
+
+
+def _shard_rows(scores: list[float], k: int, **extra) -> list[dict]:
+    """The rows k shards of one cell would write, scores given per seed."""
+    rows = []
+    for i in range(k):
+        mine = [scores[seed] for seed in shard_seeds(len(scores), (i, k))]
+        mean, low, high = cell_interval(mine)
+        rows.append({"task": "niah_longgen", "context": 4096, "method": "shadowkv", "budget": 0.0156,
+                     "templates": "heldout", "seconds": 10.0 + i, "hit_rate": 0.1 * (i + 1), "shard": [i, k],
+                     "score": mean, "low": low, "high": high, "samples": len(mine), "scores": mine, **extra})
+    return rows
+
+
+def test_shards_partition_the_seeds():
+    for k in (1, 3, 7):
+        seeds = sorted(s for i in range(k) for s in shard_seeds(20, (i, k)))
+        assert seeds == list(range(20))
+    assert shard_seeds(20, None) == list(range(20))
+
+
+def test_joined_shards_are_the_whole_cell():
+    scores = [100.0, 0.0, 0.0, 100.0, 50.0, 100.0, 0.0, 0.0, 100.0, 100.0, 0.0]
+    whole = {"task": "niah_single", "context": 4096, "method": "dense", "budget": 1.0, "templates": "heldout",
+             "score": 50.0, "scores": [100, 0], "samples": 2}
+    rows = _shard_rows(scores, 3)
+    joined = join_shards(rows[::-1] + [whole])
+    assert whole in joined and len(joined) == 2
+    row = next(r for r in joined if r is not whole)
+    mean, low, high = cell_interval(scores)
+    assert row["scores"] == scores and row["samples"] == len(scores) and "shard" not in row
+    assert (row["score"], row["low"], row["high"]) == (mean, round(low, 2), round(high, 2))
+    assert row["seconds"] == 33.0
+    weights = [len(shard_seeds(len(scores), (i, 3))) for i in range(3)]
+    assert row["hit_rate"] == pytest.approx(sum(0.1 * (i + 1) * w for i, w in enumerate(weights)) / len(scores),
+                                            abs=1e-4)
+
+
+def test_shards_that_do_not_make_a_cell_are_refused():
+    scores = [100.0, 0.0, 50.0, 100.0, 0.0, 100.0]
+    with pytest.raises(ValueError, match="need each of 0..2 of 3"):
+        join_shards(_shard_rows(scores, 3)[:2])
+    differing = _shard_rows(scores, 2)
+    differing[1]["landmark_rebuild"] = True
+    with pytest.raises(ValueError, match="need each of 0..1 of 2"):
+        join_shards(differing)
+    short = _shard_rows(scores, 2)
+    short[1]["scores"] = short[1]["scores"][:1]  # shard 1 run with fewer samples
+    with pytest.raises(ValueError, match=r"leave seeds out .*\[3\]"):
+        join_shards(short)
