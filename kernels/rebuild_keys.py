@@ -11,9 +11,9 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   slot_ids     (B,) int32
   key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (stride over N free, rest contiguous)
   landmarks    (P, PAGE_TOKENS/C, Hkv, d or 2d)  optional (ShadowKVConfig.landmark_rebuild): one layer's landmarks; each
-               rebuilt chunk is then moved onto its landmark (mean: its mean; bounds: its midpoint to the centre,
-               then clamped into the bounds), reference.meet_landmarks; landmark_scales (P, PAGE_TOKENS/C, Hkv) fp32
-               for fp8 landmarks
+               rebuilt chunk then meets its landmark (mean: shifted so that its mean is the landmark; bounds: each
+               key clamped into them), reference.meet_landmarks; landmark_scales (P, PAGE_TOKENS/C, Hkv) fp32 for
+               fp8 landmarks
 RoPE rotates channel pairs (kernels.rope.rope_pairs): the product is split into the pairs' two halves (two dots) so
 the rotation needs no shuffle.
 One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows (from L2, mostly).
@@ -32,16 +32,14 @@ NO_LANDMARKS, MEAN, BOUNDS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 @triton.jit
 def _meet_landmark(x, centre, half, KIND: tl.constexpr, MISS_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                    WIDTH: tl.constexpr):
-    """x (MISS_BLOCK*CHUNK, WIDTH) rebuilt rows, chunk by chunk; centre, half the same rows' landmark halves."""
-    x3 = tl.reshape(x, (MISS_BLOCK, CHUNK, WIDTH))
+    """x (MISS_BLOCK*CHUNK, WIDTH) rebuilt rows, chunk by chunk; centre, half the same rows' landmark halves. Bounds
+    clamp each row alone; a mean shifts each chunk by its rows' mean (a reduction over the chunk's rows)."""
     if KIND == MEAN:
-        mid = tl.sum(x3, axis=1) / CHUNK
+        mid = tl.sum(tl.reshape(x, (MISS_BLOCK, CHUNK, WIDTH)), axis=1) / CHUNK
+        mid = tl.reshape(tl.broadcast_to(mid[:, None, :], (MISS_BLOCK, CHUNK, WIDTH)), (MISS_BLOCK * CHUNK, WIDTH))
+        y = x - mid + centre
     else:
-        mid = (tl.max(x3, axis=1) + tl.min(x3, axis=1)) / 2
-    mid = tl.reshape(tl.broadcast_to(mid[:, None, :], (MISS_BLOCK, CHUNK, WIDTH)), (MISS_BLOCK * CHUNK, WIDTH))
-    y = x - mid + centre
-    if KIND == BOUNDS:
-        y = tl.minimum(tl.maximum(y, centre - half), centre + half)
+        y = tl.minimum(tl.maximum(x, centre - half), centre + half)
     return y
 
 

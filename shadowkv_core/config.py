@@ -51,10 +51,11 @@ class ShadowKVConfig:
         inside the bounds could reach, never below its best key's, so a key that stands out in a few dimensions is
         not averaged away) or "mean" (the paper's: their mean, d numbers, half the landmark bytes and scoring reads;
         a chunk scores q·mean). Outliers are the chunks worst approximated by their mean either way.
-    landmark_rebuild: rebuilt keys also meet their chunk's landmark, which holds the exact keys' summary: each
-        rebuilt chunk is moved so that its midpoint per dimension (mean, for mean landmarks) is the landmark's, and,
-        for bounds, clamped into the bounds. The low-rank error the chunk shares is taken out at no extra memory,
-        for a slower decode step (docs/accuracy.md, "Keys onto their landmarks").
+    landmark_rebuild: rebuilt keys also meet their chunk's landmark, which holds the exact keys' summary: for bounds,
+        each rebuilt key is clamped into its chunk's bounds (never farther from the exact key, which lies inside
+        them); for mean landmarks, each rebuilt chunk is shifted so that its mean is the landmark's. Part of the
+        low-rank error is taken out at no extra memory, for a slightly slower decode step (docs/accuracy.md, "Keys
+        onto their landmarks").
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
         first pages, rounded down to whole pages): a hit there costs no PCIe. "auto": the share under which the
         replica's pools hold the most sequences of max_model_len tokens (memory_model.best_device_value_share), on

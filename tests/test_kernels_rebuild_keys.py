@@ -45,14 +45,14 @@ def _check(num_chunks, Hkv, d, rank, K, C, page_tokens, dtype, device, rotary_di
 @pytest.mark.parametrize("landmark_kind,fp8", [("bounds", False), ("mean", False), ("bounds", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rebuild_keys_meet_landmarks(landmark_kind, fp8, dtype):
-    """Each rebuilt chunk moved onto its landmark (ShadowKVConfig.landmark_rebuild), partial rotary and odd counts
-    included; the reference's rows moved indeed (clamped ones among them for bounds)."""
+    """Each rebuilt chunk meets its landmark (ShadowKVConfig.landmark_rebuild), partial rotary and odd counts
+    included; the reference's rows moved indeed (a mean shifts every coordinate, bounds clamp those outside)."""
     expected, _ = _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=dtype, device=DEVICE,
                          rotary_dim=16, interleaved=True, seed=3, landmark_kind=landmark_kind, fp8_landmarks=fp8)
     plain, before = _check([37, 5, 70], Hkv=2, d=32, rank=40, K=12, C=4, page_tokens=16, dtype=dtype,
                            device=DEVICE, rotary_dim=16, interleaved=True, seed=3)
     written = plain != before
-    assert (expected[written] != plain[written]).float().mean() > 0.9
+    assert (expected[written] != plain[written]).float().mean() > (0.9 if landmark_kind == "mean" else 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

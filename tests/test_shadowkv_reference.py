@@ -68,30 +68,42 @@ def test_chunk_landmarks_are_chunk_means():
 
 
 @pytest.mark.parametrize("kind", ["mean", "bounds"])
-def test_meet_landmarks_keeps_exact_keys_and_takes_out_an_error_a_chunk_shares(kind):
+def test_meet_landmarks_keeps_exact_keys(kind):
     torch.manual_seed(1)
     C, n, d = 8, 10, 16
     keys = torch.randn(n, C, d) * torch.rand(d) * 3
     lm = chunk_landmarks(keys.reshape(n * C, 1, d), C, kind)[:, 0]  # (n, d or 2d)
     torch.testing.assert_close(meet_landmarks(keys, lm, kind), keys)
+
+
+def test_meet_landmarks_mean_takes_out_an_error_a_chunk_shares():
+    torch.manual_seed(1)
+    C, n, d = 8, 10, 16
+    keys = torch.randn(n, C, d) * torch.rand(d) * 3
+    lm = chunk_landmarks(keys.reshape(n * C, 1, d), C, "mean")[:, 0]
     shared = torch.randn(n, 1, d)  # an error every key of a chunk has alike
-    torch.testing.assert_close(meet_landmarks(keys + shared, lm, kind), keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(meet_landmarks(keys + shared, lm, "mean"), keys, atol=1e-5, rtol=1e-5)
 
 
-def test_meet_landmarks_bounds_clamp_into_the_bounds_and_never_move_a_key_away():
-    """Any rebuild, however wrong: every output lies in its chunk's bounds, and no coordinate is farther from the
-    exact key than the shifted rebuild's (clamping into an interval holding the exact value)."""
+def test_meet_landmarks_bounds_clamp_each_key_into_the_bounds_and_never_move_it_away():
+    """Any rebuild, however wrong: every output lies in its chunk's bounds, each coordinate is the rebuilt one or the
+    bound nearest it, and none is farther from the exact key than the rebuilt one (the exact value lies inside)."""
     torch.manual_seed(2)
     C, n, d = 8, 10, 16
     keys = torch.randn(n, C, d)
-    rebuilt = keys + torch.randn(n, C, d) * 0.7
+    rebuilt = keys + torch.randn(n, C, d) * 0.7 + torch.randn(n, 1, d) * 0.5
     lm = chunk_landmarks(keys.reshape(n * C, 1, d), C, "bounds")[:, 0]
     out = meet_landmarks(rebuilt, lm, "bounds")
     centre, half = lm[:, None, :d], lm[:, None, d:]
-    assert bool(((out >= centre - half - 1e-6) & (out <= centre + half + 1e-6)).all())
-    shifted = rebuilt - (rebuilt.amax(1, keepdim=True) + rebuilt.amin(1, keepdim=True)) / 2 + centre
-    assert bool(((out - keys).abs() <= (shifted - keys).abs() + 1e-6).all())
+    low, high = centre - half, centre + half
+    assert bool(((out >= low - 1e-6) & (out <= high + 1e-6)).all())
+    inside = (rebuilt >= low) & (rebuilt <= high)
+    torch.testing.assert_close(out[inside], rebuilt[inside])
+    torch.testing.assert_close(out[rebuilt < low], low.expand_as(out)[rebuilt < low])
+    assert bool(((out - keys).abs() <= (rebuilt - keys).abs() + 1e-6).all())
     assert (out - keys).norm() < (rebuilt - keys).norm()
+    one = meet_landmarks(rebuilt[:, :1], lm, "bounds")  # per key: a chunk's other keys change nothing
+    torch.testing.assert_close(one, out[:, :1])
 
 
 def test_bounds_landmarks_score_at_least_every_key_of_their_chunk():

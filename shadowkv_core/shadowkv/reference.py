@@ -179,15 +179,13 @@ def rebuild_keys(u_rows: torch.Tensor, sv: torch.Tensor, positions: torch.Tensor
 def meet_landmarks(keys: torch.Tensor, landmarks: torch.Tensor, kind: str) -> torch.Tensor:
     """Rebuilt chunks moved onto their landmarks (ShadowKVConfig.landmark_rebuild). keys (M, C, d) fp32 post-RoPE,
     landmarks (M, d or 2d) of the same chunks' exact keys -> (M, C, d): "mean": shifted so that their mean is the
-    landmark; "bounds": shifted so that their per-dimension midpoint is the landmark's centre, then clamped into
-    centre +- half-range."""
+    landmark; "bounds": clamped into centre +- half-range, per key and dimension (no reduction over the chunk)."""
     d = keys.shape[-1]
     lm = landmarks.float()
     if kind == "mean":
         return keys + (lm - keys.mean(1))[:, None]
     centre, half = lm[:, None, :d], lm[:, None, d:]
-    shifted = keys - (keys.amax(1, keepdim=True) + keys.amin(1, keepdim=True)) / 2 + centre
-    return torch.minimum(torch.maximum(shifted, centre - half), centre + half)
+    return torch.minimum(torch.maximum(keys, centre - half), centre + half)
 
 
 def paged_rows(pages: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
