@@ -28,7 +28,8 @@ every turn after the first is served from the engine's prefix cache, where the o
 cold (issue 30). They run niah_multiturn only (a single-prompt task would run them as their uncached method): their
 cells of other tasks are skipped, with a note. Every niah_multiturn row records, per turn, the prefix cache's hit and
 query tokens and evictions.
-Every cell gets a 95 % interval (benchmarks/accuracy_stats.py). Writes benchmarks/results/accuracy.json (a list of
+Every cell gets a 95 % interval, and each sparse method its paired difference to dense over the samples both scored
+(benchmarks/accuracy_stats.py). Writes benchmarks/results/accuracy.json (a list of
 rows, each with its per-sample scores), accuracy.meta.json (the runs: command, device, versions, timings; --merge
 adds a run's rows and record to what is there), accuracy.md and one NIAH heatmap PNG per method. --shard i k
 scores every k-th sample of each cell from the i-th, so that a cell too slow for one process runs as k side by side;
@@ -49,7 +50,7 @@ import torch
 
 from benchmarks.accuracy_runs import (BASELINES, CACHED, DENSE, DIAGNOSTIC, LONGGEN_TOKENS, MAX_TOKENS, METHODS, build,
                                       conversation, generate, longgen_parts)
-from benchmarks.accuracy_stats import cell_interval, combined, fmt, row_interval
+from benchmarks.accuracy_stats import cell_interval, combined, fmt, fmt_difference, paired_difference, row_interval
 from benchmarks.fresh import FRESH
 from benchmarks.heldout import HELDOUT
 from training.data import make_sample, score
@@ -219,8 +220,7 @@ def markdown(rows: list[dict]) -> str:
         # the method
         cols = [(m, b, v) for m, b in methods(budgets, {r["method"] for r in chosen})
                 for v in sorted({_column(r)[2] for r in chosen if _column(r)[:2] == (m, b)})]
-        head = "| task | " + " | ".join((m if m in DENSE else f"{m} {b:.2%}") + (f", {v}" if v else "")
-                                       for m, b, v in cols) + " |"
+        head = "| task | " + " | ".join(_label(col) for col in cols) + " |"
         rule = "|---" * (len(cols) + 1) + "|"
         tasks = [t for t in (*ALL_TASKS, "niah_grid") if any(r["task"] == t for r in chosen)]
 
@@ -235,8 +235,44 @@ def markdown(rows: list[dict]) -> str:
                 line = [_cell([r for r in chosen if r["task"] == t and r["context"] == c and _column(r) == col])
                         for col in cols]
                 every.append(f"| {t} | {c} | " + " | ".join(line) + " |")
-        out += [f"### templates: {templates}", "", head, rule, *summary, "", "Every cell:", "", *every, ""]
+        out += [f"### templates: {templates}", "", head, rule, *summary, "", *_paired_to_dense(chosen, cols, tasks),
+                "Every cell:", "", *every, ""]
     return "\n".join(out)
+
+
+def _label(col: tuple[str, float, str]) -> str:
+    m, b, v = col
+    return (m if m in DENSE else f"{m} {b:.2%}") + (f", {v}" if v else "")
+
+
+def _paired_to_dense(rows: list[dict], cols: list[tuple], tasks: list[str]) -> list[str]:
+    """Each sparse column's paired difference to dense (accuracy_stats.paired_difference) per task and on the RULER
+    task average, over the cells both scored on the same samples: each (task, context) against the first of DENSE
+    that has it (dense; dense_timed where only it ran, as for long generation). Nothing without a dense cell."""
+    whole = [r for r in rows if r.get("scores") and "depth" not in r]  # the NIAH grid's per-depth rows aside
+    dense = {}
+    for m in reversed(DENSE):
+        dense.update({(r["task"], r["context"]): r for r in whole if r["method"] == m})
+    sparse = [col for col in cols if col[0] not in DENSE]
+
+    def pairs(col, pick) -> list[tuple[list[float], list[float]]]:
+        return [(r["scores"], dense[(r["task"], r["context"])]["scores"]) for r in whole
+                if _column(r) == col and pick(r) and (r["task"], r["context"]) in dense
+                and len(dense[(r["task"], r["context"])]["scores"]) == len(r["scores"])]
+
+    picks = [(t, lambda r, t=t: r["task"] == t) for t in tasks if t != "niah_grid"]
+    picks.append(("**average (RULER tasks)**", lambda r: r["task"] in TASKS))
+    lines = []
+    for label, pick in picks:
+        found = [pairs(col, pick) for col in sparse]
+        if any(found):
+            lines.append(f"| {label} | " + " | ".join(fmt_difference(paired_difference(p) if p else None)
+                                                       for p in found) + " |")
+    if not lines:
+        return []
+    head = "| task | " + " | ".join(_label(col) for col in sparse) + " |"
+    return ["Paired difference to dense (the same samples; 95 % interval of the mean difference):", "", head,
+            "|---" * (len(sparse) + 1) + "|", *lines, ""]
 
 
 def _column(row: dict) -> tuple[str, float, str]:

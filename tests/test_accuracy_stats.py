@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.accuracy import join_shards, kept_rows, markdown, shard_seeds
-from benchmarks.accuracy_stats import average_interval, cell_interval, wilson
+from benchmarks.accuracy_stats import Z95, average_interval, cell_interval, paired_difference, wilson
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "accuracy.json"
 
@@ -137,3 +137,43 @@ def test_shards_that_do_not_make_a_cell_are_refused():
     short[1]["scores"] = short[1]["scores"][:1]  # shard 1 run with fewer samples
     with pytest.raises(ValueError, match=r"leave seeds out .*\[3\]"):
         join_shards(short)
+
+
+def test_paired_difference_matches_a_hand_computation():
+    # differences 0, 0, 100, 0: mean 25, sample variance 2500, variance of the mean 625
+    mean, low, high = paired_difference([([100, 0, 100, 100], [100, 0, 0, 100])])
+    assert mean == 25 and (low, high) == pytest.approx((25 - Z95 * 25, 25 + Z95 * 25))
+    # two cells: the average of their means, the variance of an average of independent cells
+    mean, low, high = paired_difference([([100, 0, 100, 100], [100, 0, 0, 100]), ([50, 50], [0, 100])])
+    assert mean == pytest.approx(12.5) and high - mean == pytest.approx(Z95 * math.sqrt(625 + 2500) / 2)
+    with pytest.raises(ValueError, match="two or more samples scored by both"):
+        paired_difference([([100, 0], [100])])
+
+
+def test_pairing_takes_out_what_the_samples_share():
+    """Two methods that differ on one sample of forty: the paired interval is far narrower than the unpaired
+    intervals side by side, and holds the difference."""
+    dense = [100.0 if i % 2 else 0.0 for i in range(40)]
+    sparse = dense[:]
+    sparse[1] = 0.0
+    mean, low, high = paired_difference([(sparse, dense)])
+    assert mean == -2.5 and low < -2.5 < high and high - low < 12
+    _, d_low, d_high = cell_interval(dense)
+    assert d_high - d_low > 25
+
+
+def test_markdown_pairs_each_sparse_column_with_the_dense_method_of_its_cells():
+    def row(method, task, context, scores, budget=0.0156):
+        return {"task": task, "context": context, "method": method, "budget": budget, "templates": "heldout",
+                "samples": len(scores), "score": sum(scores) / len(scores), "scores": scores}
+    rows = [row("dense", "niah_single", 4096, [100, 0, 100, 100], 1.0),
+            row("shadowkv", "niah_single", 4096, [100, 0, 0, 100]),
+            row("dense_timed", "niah_longgen", 4096, [0, 100], 1.0),
+            row("shadowkv", "niah_longgen", 4096, [100, 100])]
+    table = markdown(rows)
+    assert "Paired difference to dense" in table
+    lo, hi = -25 - Z95 * 25, -25 + Z95 * 25
+    assert f"| niah_single | -25.0 [{lo:+.1f}, {hi:+.1f}] |" in table
+    lg = paired_difference([([100, 100], [0, 100])])
+    assert f"| niah_longgen | +50.0 [{lg[1]:+.1f}, {lg[2]:+.1f}] |" in table  # against dense_timed
+    assert "Paired difference" not in markdown([r for r in rows if r["method"] == "shadowkv"])
