@@ -195,11 +195,11 @@ def join_shards(rows: list[dict]) -> list[dict]:
         scores = [by_seed[seed] for seed in sorted(by_seed)]
         joined = {f: v for f, v in shards[0].items() if f not in (*SCORED, *SUMMED, *WEIGHTED)}
         for f in SUMMED:
-            if f in shards[0]:
+            if all(f in s for s in shards):
                 values = [s[f] for s in shards]
                 joined[f] = round(sum(values), 2) if f == "seconds" else [sum(t) for t in zip(*values)]
         for f in WEIGHTED:
-            if f in shards[0]:
+            if all(f in s for s in shards):
                 values, n = [(s[f], s["samples"]) for s in shards], len(scores)
                 joined[f] = (round(sum(v * w for v, w in values) / n, 4) if f == "hit_rate"
                              else [sum(v[i] * w for v, w in values) / n for i in range(len(values[0][0]))])
