@@ -30,6 +30,9 @@ from kernels.fp8 import e4m3_to, fp16_query, paired_e4m3
 from kernels.online_softmax import online_softmax_step
 
 _NUM_SMS: dict[int, int] = {}
+# The pipeliner spends one stage on each block's page-table load before its keys and values; from five stages on it
+# keeps two key and value buffers in flight instead of one.
+FP8_STAGES = 5
 
 
 @triton.jit
@@ -136,7 +139,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     programs_per_sm programs on every SM. fp8 pools take wider steps and more programs: half the bytes per key leave
     each program more latency to hide.
     scales (fp8 pools): any strides, the same for both. num_warps, num_stages: the split kernel's launch (num_stages
-    None: Triton's default)."""
+    None: FP8_STAGES for an fp8 pool, Triton's default otherwise)."""
     B, Hq, d = q.shape
     assert 1 <= len(segments) <= 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
@@ -180,6 +183,7 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     out = torch.empty_like(q)
     (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = segments
     stride_s = scales[0].stride() if fp8 else (0, 0, 0)
+    num_stages = num_stages or (FP8_STAGES if fp8 else None)
     launch = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     _split_kernel[(num_splits, Hkv, B)](
         q, k0, v0, k1, v1, k2, v2, n0, n1, n2, scales[0], scales[1], page_table, slot_ids, part_m, part_l, part_acc,
