@@ -5,8 +5,8 @@ dim 128), 16-token pages in a shuffled block table, every sequence `--context` k
 Variants (VARIANTS): the bf16 pool; the fp8 pool with one scale per token and KV head, stored (Hkv, rows) as the
 dense cache stores them. The fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots) were measured
 and removed: docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json.
-Each variant's launches: block_n x programs per SM x num_warps at the kernel's default num_stages, then num_stages at its
-best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
+Each variant's launches: block_n x programs per SM x num_warps at the kernel's default num_stages, then num_stages at
+its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
 pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most TOLERANCE;
 rel_err: the difference's norm over the reference's; err_vs_bf16: max_err against the bf16 pool's reference, what
 the output loses to fp8 in all; a failure ends the run: SystemExit with the error), then timed (median,
