@@ -255,10 +255,10 @@ def _paired_to_dense(rows: list[dict], cols: list[tuple], tasks: list[str]) -> l
         dense.update({(r["task"], r["context"]): r for r in whole if r["method"] == m})
     sparse = [col for col in cols if col[0] not in DENSE]
 
-    def pairs(col, pick) -> list[tuple[list[float], list[float]]]:
+    def pairs(col, pick) -> list[tuple[list[float], list[float]]]:  # cells of one sample have no interval
         return [(r["scores"], dense[(r["task"], r["context"])]["scores"]) for r in whole
                 if _column(r) == col and pick(r) and (r["task"], r["context"]) in dense
-                and len(dense[(r["task"], r["context"])]["scores"]) == len(r["scores"])]
+                and len(dense[(r["task"], r["context"])]["scores"]) == len(r["scores"]) >= 2]
 
     picks = [(t, lambda r, t=t: r["task"] == t) for t in tasks if t != "niah_grid"]
     picks.append(("**average (RULER tasks)**", lambda r: r["task"] in TASKS))

@@ -177,3 +177,5 @@ def test_markdown_pairs_each_sparse_column_with_the_dense_method_of_its_cells():
     lg = paired_difference([([100, 100], [0, 100])])
     assert f"| niah_longgen | +50.0 [{lg[1]:+.1f}, {lg[2]:+.1f}] |" in table  # against dense_timed
     assert "Paired difference" not in markdown([r for r in rows if r["method"] == "shadowkv"])
+    one = [row("dense", "niah_single", 4096, [100], 1.0), row("shadowkv", "niah_single", 4096, [0])]
+    assert "Paired difference" not in markdown(one)  # one sample a cell: no interval to pair, and no error
