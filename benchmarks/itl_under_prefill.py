@@ -1,18 +1,21 @@
 """Inter-token latency of running decodes while a long prompt prefills (issue 28), per prefill step budget
-(EngineConfig.prefill_step_tflop), random weights of a real geometry (Llama-3.1-8B by default).
+(EngineConfig.prefill_step_tflop) and step target (prefill_step_ms), random weights of a real geometry (Llama-3.1-8B
+by default).
 
 One engine holds `--decode-batch` decoding requests of `--decode-context` tokens and room for one `--prompt`-token
 prompt. First the prompt's TTFT alone (an idle engine: its whole prefill in one step, whatever the budget). Then per
-budget (the engine's config swapped between runs; "none": no limit): the decodes start (one prefilled, the others
+budget and target (the engine's config swapped between runs, the pacer's scale reset; "none": no limit, no target):
+the decodes start (one prefilled, the others
 forked from it), `--steps` steps run with no prefill, then the prompt is submitted and the engine steps until its
 first token. A token's arrival is the return of the step() that hands it out (after its read back: with async decode
 each token comes out one step later, as a server would stream it), and a request's ITL the time between two of its
 arrivals; no sync is added. Reported per budget: ITL p50/p99 with no prefill and while the prompt prefills, the ratio
 of the latter's p99 to the former's p50 (the acceptance: <= 3), the prompt's TTFT beside the decodes and its ratio to
-TTFT alone (the prefill's cost), the steps it took and the decode tokens produced meanwhile.
+TTFT alone (the prefill's cost), the steps it took, the decode tokens produced meanwhile and, with a target, the
+mean budget of the prompt's steps.
 
     PYTHONPATH=. python -m benchmarks.itl_under_prefill [--method dense] [--decode-batch 8] [--decode-context 8192]
-        [--prompt 122880] [--budgets none 12 6 3] [--steps 64]
+        [--prompt 122880] [--budgets none 12 6 3] [--step-ms none 40] [--steps 64]
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfi
 from shadowkv_core import memory_model as mm
 from shadowkv_core.models.geometry import TINY_SHADOWKV, model_spec, write_config
 
-COLUMNS = ["method", "budget_tflop", "decode_batch", "itl_p50_ms", "itl_p99_ms", "prefill_itl_p50_ms",
+COLUMNS = ["method", "budget_tflop", "step_ms", "mean_budget_tflop", "decode_batch", "itl_p50_ms", "itl_p99_ms", "prefill_itl_p50_ms",
            "prefill_itl_p99_ms", "p99_over_p50", "ttft_s", "ttft_alone_s", "ttft_ratio", "prefill_steps",
            "decode_tokens_during_prefill"]
 WARM_UP_TOKENS = 4  # throughput.warm_up's request: the prompt's length less one, and 4 tokens
@@ -53,11 +56,14 @@ def build_engine(args: argparse.Namespace, config_dir: str, g: mm.Geometry, cfg:
         overlap_prefill="auto" if args.overlap_prefill is None else args.overlap_prefill, **options))
 
 
-def step_until(engine: LLMEngine, arrivals: dict[str, list[float]], done, limit: int | None = None) -> int:
+def step_until(engine: LLMEngine, arrivals: dict[str, list[float]], done, limit: int | None = None,
+               budgets: list[float] | None = None) -> int:
     """Step until done() (checked before each step) or `limit` steps; each token's arrival time, per request, into
-    `arrivals`. Returns the steps run."""
+    `arrivals`, and each step's prefill budget beside decodes into `budgets`. Returns the steps run."""
     steps = 0
     while not done() and (limit is None or steps < limit):
+        if budgets is not None:
+            budgets.append(engine.pacer.budget(engine.config))
         outputs = engine.step()
         now = time.perf_counter()
         steps += 1
@@ -79,9 +85,10 @@ def prefill_alone(engine: LLMEngine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def measure(engine: LLMEngine, args: argparse.Namespace, budget: float | None, prompt: list[int],
-            decode_prompt: list[int], ttft_alone: float) -> dict:
-    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=budget)
+def measure(engine: LLMEngine, args: argparse.Namespace, budget: float | None, step_ms: float | None,
+            prompt: list[int], decode_prompt: list[int], ttft_alone: float) -> dict:
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=budget, prefill_step_ms=step_ms)
+    engine.pacer.scale = 1.0
     ids = [f"d{i}" for i in range(args.decode_batch)]
     engine.add_request(ids[0], decode_prompt, SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True))
     arrivals: dict[str, list[float]] = {}
@@ -96,7 +103,8 @@ def measure(engine: LLMEngine, args: argparse.Namespace, budget: float | None, p
     idle_tokens = sum(t > idle_from for i in ids for t in arrivals[i])
     submitted = time.perf_counter()
     engine.add_request("prompt", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    steps = step_until(engine, arrivals, lambda: "prompt" in arrivals)
+    budgets: list[float] = []
+    steps = step_until(engine, arrivals, lambda: "prompt" in arrivals, budgets=budgets)
     ttft = arrivals["prompt"][0] - submitted
     busy = gaps_ms(arrivals, ids, submitted)
     during = sum(len(arrivals[i]) - counted[i] for i in ids)
@@ -104,7 +112,9 @@ def measure(engine: LLMEngine, args: argparse.Namespace, budget: float | None, p
     for i in ids:
         engine.abort(i)
     engine.drain_in_flight()
-    row = {"method": args.method, "model": args.model, "budget_tflop": budget, "decode_batch": args.decode_batch,
+    row = {"method": args.method, "model": args.model, "budget_tflop": budget, "step_ms": step_ms,
+           "mean_budget_tflop": None if budget is None else sum(budgets) / len(budgets) / 1e12,
+           "decode_batch": args.decode_batch,
            "overlap_prefill": engine.streams is not None,
            "decode_context": args.decode_context, "prompt": args.prompt,
            "itl_p50_ms": percentile(idle, 0.5), "itl_p99_ms": percentile(idle, 0.99),
@@ -134,6 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=122880, help="the long prompt's tokens")
     parser.add_argument("--budgets", type=parse_budget, nargs="+", default=[None, 12.0, 6.0, 3.0],
                         help="prefill_step_tflop values; none: no limit")
+    parser.add_argument("--step-ms", type=parse_budget, nargs="+", default=[None],
+                        help="prefill_step_ms values, each run with every budget; none: a fixed budget")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed with no prefill")
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -159,12 +171,12 @@ def main(argv: list[str] | None = None) -> dict:
         prefill_alone(engine, prompt)  # the long prompt's own shapes compiled and cached
         ttft_alone = prefill_alone(engine, prompt)
         rows = []
-        for budget in args.budgets:
-            rows.append(measure(engine, args, budget, prompt, decode_prompt, ttft_alone))
+        for budget, step_ms in ((b, t) for b in args.budgets for t in args.step_ms if b is not None or t is None):
+            rows.append(measure(engine, args, budget, step_ms, prompt, decode_prompt, ttft_alone))
             print_table(rows[-1:], COLUMNS)
             if "decodes_ended_early" in rows[-1]:
-                print(f"budget {budget}: decodes ended before the prompt's first token; raise --decode-tokens",
-                      file=sys.stderr)
+                print(f"budget {budget}, target {step_ms}: decodes ended before the prompt's first token; raise "
+                      "--decode-tokens", file=sys.stderr)
     finally:
         engine.close()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

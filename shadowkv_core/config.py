@@ -156,6 +156,10 @@ class EngineConfig:
         that the running decodes' inter-token latency stays near a step's; None: no limit (a whole prefill per
         step). With nothing decoding a prefill always runs whole. The default is about 20 ms at a few hundred
         TFLOP/s.
+    prefill_step_ms: None keeps each step's prefill at prefill_step_tflop. A number (milliseconds) raises the budget
+        above it while steps that hold a decode and prefill slices take less than this (engine/pacing.py): the
+        decodes' inter-token latency settles near it, and a long prefill beside short decode steps advances at
+        close to its speed alone instead of by a fixed share; prefill_step_tflop stays the least a step runs.
     prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "auto"
         (the default: "triton" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
         whole prompt by its flash kernel, a chunk after a prefix with a causal_lower_right bias), "sdpa_split" (the
@@ -205,6 +209,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 8192
     max_prefill_tokens: int = 16384
     prefill_step_tflop: float | None = 6.0
+    prefill_step_ms: float | None = None
     prefill_attention: str = AUTO
     max_waiting: int = 256
     block_size: int = 16
@@ -235,6 +240,13 @@ class EngineConfig:
                                                      isinstance(self.prefill_step_tflop, bool)
                                                      and self.prefill_step_tflop > 0),
                  f"prefill_step_tflop must be > 0 or None (no limit), got {self.prefill_step_tflop!r}")
+        _require(self.prefill_step_ms is None or (isinstance(self.prefill_step_ms, (int, float))
+                                                  and not isinstance(self.prefill_step_ms, bool)
+                                                  and self.prefill_step_ms > 0),
+                 f"prefill_step_ms must be > 0 or None (a fixed budget), got {self.prefill_step_ms!r}")
+        _require(self.prefill_step_ms is None or self.prefill_step_tflop is not None,
+                 "prefill_step_ms paces a step's prefill budget: it needs prefill_step_tflop (the least a step runs), "
+                 "got None (no limit)")
         _require(self.prefill_attention in (AUTO, *PREFILL_ATTENTIONS),
                  f"prefill_attention must be 'auto' or one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
         _require(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")

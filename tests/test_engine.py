@@ -149,6 +149,12 @@ def test_engine_config_errors_are_clear(tiny_path):
         with pytest.raises(ValueError, match="prefill_step_tflop"):
             EngineConfig(model=tiny_path, prefill_step_tflop=bad)
     assert EngineConfig(model=tiny_path, prefill_step_tflop=None).prefill_step_tflop is None  # no limit
+    for bad in (0, -5.0, True, "40", float("nan")):
+        with pytest.raises(ValueError, match="prefill_step_ms must be > 0"):
+            EngineConfig(model=tiny_path, prefill_step_ms=bad)
+    with pytest.raises(ValueError, match="prefill_step_ms paces .* needs prefill_step_tflop"):
+        EngineConfig(model=tiny_path, prefill_step_tflop=None, prefill_step_ms=40.0)
+    assert EngineConfig(model=tiny_path, prefill_step_ms=40).prefill_step_ms == 40
 
 
 def test_split_prefill_attention_gives_the_default_tokens(tiny_path, dense_llm, monkeypatch):

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from shadowkv_core import LLM, SamplingParams, ShadowKVConfig
+from shadowkv_core import LLM, EngineConfig, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.engine.pacing import GROWTH, SHRINK, SlicePacer
 from shadowkv_core.engine.sequence import Sequence
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.tiny_model import build_tiny_model
@@ -158,6 +159,68 @@ def test_a_long_prefill_spans_many_steps_while_each_decode_gets_a_token_every_st
     for got, want in zip(out.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
         assert (got.rank, [t for t, _ in got.top]) == (want.rank, [t for t, _ in want.top])
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+class StepClock:
+    """A clock for SlicePacer that moves `step_s` at every read: each step, read at its start and end, lasts that."""
+
+    def __init__(self, step_s):
+        self.step_s, self.now = step_s, 0.0
+
+    def __call__(self):
+        self.now += self.step_s
+        return self.now
+
+
+def test_the_pacer_raises_the_budget_toward_the_target_and_never_below_prefill_step_tflop(tiny_path):
+    config = EngineConfig(model=tiny_path, prefill_step_tflop=2.0, prefill_step_ms=40.0)
+    pacer = SlicePacer(StepClock(0.010))
+    budgets = []
+    for _ in range(8):
+        budgets.append(pacer.budget(config))
+        pacer.start_step()
+        pacer.end_step(config, paced=True)
+    assert budgets[0] == 2e12
+    assert all(b == pytest.approx(a * GROWTH) for a, b in zip(budgets, budgets[1:]))  # 4x under the target
+    pacer.clock.step_s = 0.050  # 1.25x over it: the budget falls by that much
+    pacer.start_step()
+    pacer.end_step(config, paced=True)
+    assert pacer.budget(config) == pytest.approx(budgets[-1] * GROWTH * 0.8)
+    pacer.clock.step_s = 1.0  # far over: at most halved a step, down to the floor and no lower
+    seen = []
+    for _ in range(12):
+        pacer.start_step()
+        pacer.end_step(config, paced=True)
+        seen.append(pacer.budget(config))
+    assert seen[0] == pytest.approx(budgets[-1] * GROWTH * 0.8 * SHRINK) and seen[-1] == 2e12 and min(seen) == 2e12
+    pacer.clock.step_s = 0.001
+    for paced, cfg in ((False, config), (True, dataclasses.replace(config, prefill_step_ms=None))):
+        pacer.start_step()
+        pacer.end_step(cfg, paced)  # a step without decode and slices, or a fixed budget: no change
+        assert pacer.budget(config) == 2e12
+    assert pacer.budget(dataclasses.replace(config, prefill_step_tflop=None, prefill_step_ms=None)) is None
+
+
+def paced_prefill_steps(tiny_path, cache, step_ms, step_s):
+    """Prefill steps of a 200-token prompt beside two decodes at 16 rows' worth of prefill_step_tflop, each step
+    timed as `step_s` long, and the prompt's output."""
+    llm = make_llm(tiny_path, CACHES[cache])
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows_of(engine, 16) / 1e12,
+                                        prefill_step_ms=step_ms)
+    engine.pacer.clock = StepClock(step_s)
+    (out,), steps = run_beside_decodes(llm, [tokens(200, 21)], GREEDY)
+    return sum(under_way for _, under_way in steps), out
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_paced_steps_prefill_a_prompt_in_fewer_steps_while_they_are_short_and_change_no_token(tiny_path, cache):
+    fixed, want = paced_prefill_steps(tiny_path, cache, None, 0.001)
+    short, got = paced_prefill_steps(tiny_path, cache, 40.0, 0.001)
+    long, got_long = paced_prefill_steps(tiny_path, cache, 40.0, 0.080)
+    assert fixed > 100 and short < fixed / 4  # budgets that grow 1.25x a step: over a hundred steps become a few dozen
+    assert long == fixed  # steps over the target: prefill_step_tflop, as without a target
+    assert got.token_ids == want.token_ids == got_long.token_ids
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.cache_factory import build_cache
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
 from shadowkv_core.models import load_model
+from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.parallel import TensorParallel, init_tensor_parallel, rank_shadowkv, rank_spec
 from support.model_factory import assert_close_to, build_tiny_hf_model, decode, prefill
 
@@ -185,6 +186,34 @@ def test_engine_of_two_ranks_gives_the_same_greedy_tokens(tiny_path, shadowkv):
         llm.engine.close()
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_ranks_of_a_paced_engine_slice_alike_and_give_one_ranks_tokens(tiny_path):
+    """prefill_step_ms: rank 0's pacer scale reaches every rank before each step. Here rank 0 times its steps as far
+    under the target (its budget grows every step) while the worker's own steps are far over it (its budget would
+    stay put): ranks that sliced a prefill apart would run different collectives."""
+    decoding, prompt = [1 + t % (VOCAB - 1) for t in range(9)], torch.randint(VOCAB, (100,)).tolist()
+    params = dataclasses.replace(GREEDY, max_tokens=20)
+    one = LLM(model=tiny_path, **ENGINE)
+    want = [o.token_ids for o in one.generate([decoding, prompt], params)]
+    rows = 4 * PrefillBudget(rank_spec(one.engine.model.spec, 2)).projection_row
+    engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, prefill_step_tflop=rows / 1e12,
+                                               prefill_step_ms=1e-3, **ENGINE), timeout_s=20)
+    ticks = iter(range(10**9))
+    engine.engine.pacer.clock = lambda: next(ticks) * 1e-9  # a step of 1 ns: 1,000x under the target
+    try:
+        engine.add_request("d", decoding, params)
+        outs = engine.step() + engine.step()
+        engine.add_request("p", prompt, params)
+        scales = []
+        while engine.requests:
+            outs += engine.step()
+            scales.append(engine.engine.pacer.scale)
+    finally:
+        engine.close()
+    assert engine.error is None and max(scales) > 10  # rank 0's budget grew: the worker took it
+    got = {o.request_id: o.token_ids for o in outs if o.finished}
+    assert [got["d"], got["p"]] == want
 
 
 def test_a_rank_that_dies_fails_its_requests(tiny_path):

@@ -111,17 +111,19 @@ def test_a_scenario_warm_up_leaves_the_timed_run_its_own_counts(tmp_path):
 
 
 def test_max_num_seqs_overrides_the_config(tmp_path):
-    """--max-num-seqs 2: the engine runs two of shared_doc's readers at a time, never three."""
+    """--max-num-seqs 2: the engine runs two of shared_doc's readers at a time, never three; the prefill step
+    overrides reach the engine."""
     out = tmp_path / "two.json"
     run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL, "--events",
                "--scenarios", "shared_doc", "--methods", "dense", "--no-isolate", "--max-num-seqs", "2",
-               "--prefill-step-tflop", "0.5",
+               "--prefill-step-tflop", "0.5", "--prefill-step-ms", "25",
                "--out", str(out), timeout_s=600)
     (row,) = json.loads(out.read_text())["rows"]
     check_run([row], [("shared_doc", "dense")])
     spans = [(q["events"][0][0], q["events"][-1][0]) for q in row["request_records"]]  # first token to last
     busiest = max(sum(first <= t < last for first, last in spans) for t, _ in spans)
-    assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2 and row["prefill_step_tflop"] == 0.5
+    assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2
+    assert (row["prefill_step_tflop"], row["prefill_step_ms"]) == (0.5, 25)
 
 
 def test_hugging_face_serves_the_workload(tmp_path):

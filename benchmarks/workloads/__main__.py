@@ -50,6 +50,13 @@ def resummarize(path: str, ttft_bound_s: float | None, itl_bound_ms: float | Non
     return rows
 
 
+_AS_CONFIGURED = "as configured"  # --prefill-step-ms left out: the config's own value
+
+
+def _ms_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--driver", choices=("offline", "online"), default="offline")
@@ -64,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
     parser.add_argument("--prefill-step-tflop", type=float, default=None,
                         help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step")
+    parser.add_argument("--prefill-step-ms", type=_ms_or_none, default=_AS_CONFIGURED,
+                        help="override the config's engine.prefill_step_ms, the step time a paced prefill budget aims "
+                        "at; none: a fixed budget")
     parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.overlap_prefill (prefill slices on a stream of their own)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     overrides = {key: value for key, value in (("enable_prefix_caching", args.prefix_caching),
                                                ("prefill_step_tflop", args.prefill_step_tflop),
                                                ("overlap_prefill", args.overlap_prefill)) if value is not None}
+    if args.prefill_step_ms is not _AS_CONFIGURED:
+        overrides["prefill_step_ms"] = args.prefill_step_ms
     app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size

@@ -101,7 +101,8 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
                   if k.startswith("prefix_")}
         return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(wall), **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
-                       prefill_step_tflop=engine.config.prefill_step_tflop, overlap_prefill=engine.streams is not None,
+                       prefill_step_tflop=engine.config.prefill_step_tflop,
+                       prefill_step_ms=engine.config.prefill_step_ms, overlap_prefill=engine.streams is not None,
                        warm_up=args.warm_up,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
                        unfinished=sum(r.error == UNFINISHED for r in records))

@@ -18,6 +18,7 @@ from ..parallel import TensorParallel, rank_device, rank_shadowkv
 from ..shadowkv.hybrid import HybridCache
 from ..transfers import Readback
 from .cache_factory import build_cache
+from .pacing import SlicePacer
 from .runner import ModelRunner, PrefillJob
 from .sampler import OutputCounts, StepLogprobs, sample, unpack_logprobs
 from .sampling import SamplingParams
@@ -90,6 +91,7 @@ class LLMEngine:
         self.prefill_job: PrefillJob | None = None
         self.express_job: PrefillJob | None = None  # a short prefill started beside prefill_job (EXPRESS_SHARE)
         self.last_step_prefilled = False  # whether the last step() ran layers of a prefill
+        self.pacer = SlicePacer()  # the prefill FLOPs a step runs beside its decode
         self._slices_queued: torch.cuda.Event | None = None  # after the last step's prefill slices (_queued_mark)
         self._seq_ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -196,8 +198,9 @@ class LLMEngine:
     @on_main_stream
     def step(self) -> list[RequestOutput]:
         """Decode one token for every running request, and advance the prefill under way by as many of its slices
-        as `prefill_step_tflop` buys (a short prompt's whole prefill; a long prompt's over many steps); with nothing
-        decoding, the whole prefill runs in this step. A short prefill admitted while a long one is under way
+        as the step's budget buys (a short prompt's whole prefill; a long prompt's over many steps): prefill_step_tflop,
+        raised while steps take less than prefill_step_ms (SlicePacer); with nothing decoding, the whole prefill runs
+        in this step. A short prefill admitted while a long one is under way
         (EXPRESS_SHARE) runs first from the step's budget, and the long one gets what is left.
 
         With async_decode a decode step is launched and read back in the next step() call, after that call
@@ -206,6 +209,7 @@ class LLMEngine:
         grammar (structured output) runs without that overlap: its mask needs the token before.
 
         With StepStreams the step's prefill slices run beside its decode, and the next step waits for both."""
+        self.pacer.start_step()
         if self.streams is not None and self._slices_queued is not None:
             self.streams.after_slices(self._slices_queued)
         scheduled = self.scheduler.schedule(self._express())
@@ -235,8 +239,9 @@ class LLMEngine:
         if (decode or self.express_job is not None) and self._prefill_clock is not None:
             self._prefill_clock = (self._prefill_clock[0], False)
         self.last_step_prefilled = self.prefill_job is not None
-        flops = None if not decode or self.config.prefill_step_tflop is None else self.config.prefill_step_tflop * 1e12
+        flops = self.pacer.budget(self.config) if decode else None
         jobs = [j for j in (self.express_job, self.prefill_job) if j is not None]  # the short one first
+        paced = bool(decode and jobs) and flops is not None
         if jobs and self._slices_queued is not None:
             self._slices_queued.synchronize()
         for job in jobs:
@@ -247,6 +252,7 @@ class LLMEngine:
             if job.next_layer == self.runner.num_layers:
                 self._prefill_done(job)
         self._slices_queued = self._queued_mark() if jobs else None
+        self.pacer.end_step(self.config, paced)
         return outputs
 
     def _queued_mark(self) -> torch.cuda.Event | None:

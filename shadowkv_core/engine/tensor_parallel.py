@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _STATEFUL = ("add_request", "abort", "fork", "drain_in_flight", "clear_prefix_cache")  # calls every rank replays
 _STOP = "stop"
+_PACE = "pace"  # rank 0's SlicePacer scale: every rank's next step slices its prefill alike
 WORKER_JOIN_S = 10.0  # how long close() waits for a worker to leave before ending it
 
 
@@ -91,6 +92,8 @@ class TensorParallelEngine:
         if self.error is not None:
             return []
         calls, self.pending = self.pending, []
+        if self.engine.config.prefill_step_ms is not None:  # the ranks time their steps apart: rank 0's scale holds
+            calls.append((_PACE, (self.engine.pacer.scale,)))
         try:
             self.tp.broadcast(calls)
         except Exception as exc:  # a lost worker: its peer's broadcast fails
@@ -146,6 +149,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, init_method: str, t
                 engine.close()
                 dist.destroy_process_group()
                 return
+            if name == _PACE:
+                engine.pacer.scale = args[0]
+                continue
             getattr(engine, name)(*args)
         failed = next((out for out in engine.step() if out.finish_reason == "error"), None)
         if failed is not None:
