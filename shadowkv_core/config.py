@@ -159,9 +159,7 @@ class EngineConfig:
     prefill_step_ms: None keeps each step's prefill at prefill_step_tflop. A number (milliseconds) raises the budget
         above it while steps that hold a decode and prefill slices take less than this (engine/pacing.py): the
         decodes' inter-token latency settles near it, and a long prefill beside short decode steps advances at
-        close to its speed alone instead of by a fixed share; prefill_step_tflop stays the least a step runs. A
-        prompt after a cached prefix keeps prefill_step_tflop: its slices also read the prefix, which the FLOP
-        estimate leaves out.
+        close to its speed alone instead of by a fixed share; prefill_step_tflop stays the least a step runs.
     prefill_attention: how a prefill chunk attends to the keys up to its end (attention.chunk_attention): "auto"
         (the default: "triton" for a chunk after a prefix on CUDA in half precision, else "sdpa"), "sdpa" (SDPA: a
         whole prompt by its flash kernel, a chunk after a prefix with a causal_lower_right bias), "sdpa_split" (the

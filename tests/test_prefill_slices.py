@@ -412,25 +412,6 @@ def test_a_next_turn_after_a_cached_prefix_prefills_beside_a_long_prompt(tiny_pa
     assert express > 0 and first_token_step(steps, "turn") < first_token_step(steps, "long") - 10
 
 
-def test_pacing_speeds_a_cold_prompt_and_leaves_a_turn_after_a_cached_prefix_at_the_fixed_budget(tiny_path):
-    """With a step target far above every step's time, the cold long prompt gets a growing budget, while the next
-    turn over a cached prefix beside it (whose slices read the prefix too) keeps prefill_step_tflop: its prefill
-    takes as many steps as without a target, beside the long one and after it. Tokens are those of the fixed
-    budget."""
-    runs = {}
-    for step_ms in (None, 40.0):
-        llm = make_llm(tiny_path, FULL_SHADOW, prefill_step_ms=step_ms)
-        doc = tokens(84, 44)
-        turn = doc + llm.generate([doc], GREEDY)[0].token_ids + tokens(6, 45)
-        llm.engine.pacer.clock = StepClock(0.001)
-        runs[step_ms] = express_run(llm.engine, tokens(400, 41), {"turn": turn}, GREEDY)
-    (fixed, fixed_steps, fixed_express), (paced, paced_steps, paced_express) = runs[None], runs[40.0]
-    assert [paced[r].token_ids for r in ("long", "turn")] == [fixed[r].token_ids for r in ("long", "turn")]
-    assert paced_express > 0 and fixed_express > 0
-    assert first_token_step(paced_steps, "turn") == first_token_step(fixed_steps, "turn")
-    assert first_token_step(paced_steps, "long") < first_token_step(fixed_steps, "long") / 2
-
-
 @pytest.mark.parametrize("abort, after", [("long", 1), ("short", 1)])
 def test_an_abort_beside_an_express_prefill_leaves_the_other_to_finish(tiny_path, abort, after):
     """Aborting the long prompt while a short one prefills beside it makes the short one the prefill under way;

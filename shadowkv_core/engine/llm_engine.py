@@ -241,19 +241,14 @@ class LLMEngine:
         self.last_step_prefilled = self.prefill_job is not None
         flops = self.pacer.budget(self.config) if decode else None
         jobs = [j for j in (self.express_job, self.prefill_job) if j is not None]  # the short one first
-        paced = False  # whether a prefill ran on the paced budget beside a decode
+        paced = bool(decode and jobs) and flops is not None
         if jobs and self._slices_queued is not None:
             self._slices_queued.synchronize()
         for job in jobs:
             if flops is not None and flops <= 0:
                 break
-            # after a cached prefix each slice also reads it (a shadow prefix's values from host memory), which the
-            # FLOP estimate leaves out: such a job keeps the unpaced budget, the pace being learned on cold prompts
-            allowed = flops if flops is None or not job.reads_prefix else min(flops, self.pacer.budget(self.config,
-                                                                                                         paced=False))
-            paced |= allowed is not None and not job.reads_prefix
-            outputs += self._run(lambda seqs, job=job, allowed=allowed: self._advance_prefill(job, allowed), job.seqs)
-            flops = None if flops is None else flops - (allowed - job.budget.left)
+            outputs += self._run(lambda seqs, job=job: self._advance_prefill(job, flops), job.seqs)
+            flops = None if flops is None else job.budget.left
             if job.next_layer == self.runner.num_layers:
                 self._prefill_done(job)
         self._slices_queued = self._queued_mark() if jobs else None

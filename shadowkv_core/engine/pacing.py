@@ -15,25 +15,22 @@ class SlicePacer:
     prefill_step_ms the scale stays 1. With it, each step that held a decode and slices reports its seconds, and the
     scale moves by the target over them (within [SHRINK, GROWTH] a step, never below 1): while the decodes leave
     room, a step's slices grow until steps take about the target, so the prefill gets what the decodes' inter-token
-    latency target leaves instead of a fixed share; prefill_step_tflop stays the least a step runs. The engine paces
-    prompts with no cached prefix only (LLMEngine.step)."""
+    latency target leaves instead of a fixed share; prefill_step_tflop stays the least a step runs."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.scale = 1.0
         self._started = 0.0
 
-    def budget(self, config: EngineConfig, paced: bool = True) -> float | None:
-        """This step's prefill FLOPs beside a decode (paced: scaled; else prefill_step_tflop's); None: no limit."""
-        if config.prefill_step_tflop is None:
-            return None
-        return config.prefill_step_tflop * 1e12 * (self.scale if paced else 1.0)
+    def budget(self, config: EngineConfig) -> float | None:
+        """This step's prefill FLOPs beside a decode; None: no limit."""
+        return None if config.prefill_step_tflop is None else config.prefill_step_tflop * 1e12 * self.scale
 
     def start_step(self) -> None:
         self._started = self.clock()
 
     def end_step(self, config: EngineConfig, paced: bool) -> None:
-        """A step ends; paced: it ran prefill slices on the scaled budget beside a decode."""
+        """A step ends; paced: it held a decode and prefill slices on a finite budget."""
         if not paced or config.prefill_step_ms is None:
             return
         seconds = max(self.clock() - self._started, 1e-9)

@@ -37,11 +37,6 @@ class PrefillJob:
     def num_tokens(self) -> int:
         return self.hidden.shape[0]
 
-    @property
-    def reads_prefix(self) -> bool:
-        """Whether a prompt of the job follows a cached prefix, which each of its attention slices reads."""
-        return any(c > 0 for c in self.meta.context_lens)
-
     def flops_left(self, num_layers: int) -> float:
         """Estimated FLOPs of the layers still to run (the one under way counted whole)."""
         per_layer = sum(self.budget.prompt(c, n) for c, n in zip(self.meta.context_lens, self.meta.query_lens))
