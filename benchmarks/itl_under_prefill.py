@@ -33,9 +33,9 @@ from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfi
 from shadowkv_core import memory_model as mm
 from shadowkv_core.models.geometry import TINY_SHADOWKV, model_spec, write_config
 
-COLUMNS = ["method", "budget_tflop", "step_ms", "mean_budget_tflop", "decode_batch", "itl_p50_ms", "itl_p99_ms", "prefill_itl_p50_ms",
-           "prefill_itl_p99_ms", "p99_over_p50", "ttft_s", "ttft_alone_s", "ttft_ratio", "prefill_steps",
-           "decode_tokens_during_prefill"]
+COLUMNS = ["method", "budget_tflop", "step_ms", "mean_budget_tflop", "decode_batch", "itl_p50_ms", "itl_p99_ms",
+           "prefill_itl_p50_ms", "prefill_itl_p99_ms", "p99_over_p50", "ttft_s", "ttft_alone_s", "ttft_ratio",
+           "prefill_steps", "decode_tokens_during_prefill"]
 WARM_UP_TOKENS = 4  # throughput.warm_up's request: the prompt's length less one, and 4 tokens
 
 

@@ -10,7 +10,8 @@ def test_script_measures_itl_with_and_without_a_prefill_per_budget(tmp_path):
     out = tmp_path / "itl.json"
     run_module("benchmarks.itl_under_prefill", "--model", "tiny", "--device", "cpu", "--method", "dense",
                "--decode-batch", "2", "--decode-context", "64", "--decode-tokens", "600", "--prompt", "512",
-               "--budgets", "none", "1e-5", "--step-ms", "none", "1e6", "--steps", "5", "--warmup-steps", "2", "--out", str(out), timeout_s=300)
+               "--budgets", "none", "1e-5", "--step-ms", "none", "1e6", "--steps", "5", "--warmup-steps", "2",
+               "--out", str(out), timeout_s=300)
     saved = json.loads(out.read_text())
     assert saved["environment"]["command"] and saved["args"]["prompt"] == 512
     unlimited, sliced, paced = saved["rows"]  # a target with no limit is not run
