@@ -5,9 +5,8 @@ by default).
 One engine holds `--decode-batch` decoding requests of `--decode-context` tokens and room for one `--prompt`-token
 prompt. First the prompt's TTFT alone (an idle engine: its whole prefill in one step, whatever the budget). Then per
 budget and target (the engine's config swapped between runs, the pacer's scale reset; "none": no limit, no target):
-the decodes start (one prefilled, the others
-forked from it), `--steps` steps run with no prefill, then the prompt is submitted and the engine steps until its
-first token. A token's arrival is the return of the step() that hands it out (after its read back: with async decode
+the decodes start (one prefilled, the others forked from it), `--steps` steps run with no prefill, then the prompt is
+submitted and the engine steps until its first token. A token's arrival is the return of the step() that hands it out (after its read back: with async decode
 each token comes out one step later, as a server would stream it), and a request's ITL the time between two of its
 arrivals; no sync is added. Reported per budget: ITL p50/p99 with no prefill and while the prompt prefills, the ratio
 of the latter's p99 to the former's p50 (the acceptance: <= 3), the prompt's TTFT beside the decodes and its ratio to

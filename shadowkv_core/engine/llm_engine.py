@@ -200,8 +200,8 @@ class LLMEngine:
         """Decode one token for every running request, and advance the prefill under way by as many of its slices
         as the step's budget buys (a short prompt's whole prefill; a long prompt's over many steps): prefill_step_tflop,
         raised while steps take less than prefill_step_ms (SlicePacer); with nothing decoding, the whole prefill runs
-        in this step. A short prefill admitted while a long one is under way
-        (EXPRESS_SHARE) runs first from the step's budget, and the long one gets what is left.
+        in this step. A short prefill admitted while a long one is under way (EXPRESS_SHARE) runs first from the
+        step's budget, and the long one gets what is left.
 
         With async_decode a decode step is launched and read back in the next step() call, after that call
         has launched its own: each decoded token is reported one call later, and a request that stops (a stop token
