@@ -50,7 +50,7 @@ def resummarize(path: str, ttft_bound_s: float | None, itl_bound_ms: float | Non
     return rows
 
 
-_AS_CONFIGURED = "as configured"  # --prefill-step-ms left out: the config's own value
+_AS_CONFIGURED = object()  # --prefill-step-ms left out: the config's own value (not a string: argparse parses those)
 
 
 def _ms_or_none(text: str) -> float | None:
