@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmarks.workloads.offline import OfflineRun
+from benchmarks.workloads.offline import EngineTrace, OfflineRun, StepRecord
 from benchmarks.workloads.scenarios import Conversation, Turn
 from support.cli import run_module
 from support.workloads import METHODS, SCENARIOS, SMALL, check_run, dump
@@ -192,6 +192,8 @@ class _SlowStatsEngine:
     between steps would."""
     STATS_S = 0.02
     last_step_prefilled = False
+    express_job = None
+    runner = SimpleNamespace(graphs=None)
 
     def __init__(self):
         self.left: dict[str, int] = {}
@@ -222,8 +224,25 @@ def test_time_between_the_engines_steps_is_reported_apart_from_the_steps():
     """What the engine's statistics cost between steps shows in outside_steps_s, not in the steps' times."""
     workload = [Conversation(i, 0.0, (1, 2, 3), (Turn((4,), 3), Turn((5,), 2))) for i in range(2)]
     records, trace, wall = OfflineRun(_SlowStatsEngine(), workload).run()
-    summary = trace.summary(wall)
+    summary = trace.summary(wall, 100.0)
     steps = summary["steps"]
     assert steps == 5 and all(r.finish_reason == "length" for r in records) and len(records) == 4
     assert summary["outside_steps_s"] >= steps * _SlowStatsEngine.STATS_S
     assert summary["outside_steps_s"] > summary["prefill_step_s"] + summary["decode_only_step_s"]
+
+
+def test_slow_steps_are_counted_by_what_they_held():
+    """Only steps that gave a running request its next token count (one that only ended prefills is no inter-token
+    gap); those over the bound are counted by the first of: a graph capture, a prefill that ended, an express
+    prefill, other prefill slices, the decode alone."""
+    steps = [StepRecord(0.020, False, 4, 0, False, 0), StepRecord(0.030, True, 4, 0, False, 0),
+             StepRecord(0.250, True, 5, 1, True, 1), StepRecord(0.180, True, 5, 1, True, 0),
+             StepRecord(0.150, True, 4, 0, True, 0), StepRecord(0.120, True, 4, 0, False, 0),
+             StepRecord(0.110, False, 4, 0, False, 0), StepRecord(0.500, True, 1, 1, False, 0)]
+    summary = EngineTrace(steps).summary(2.0, 100.0)
+    assert summary["slow_steps"] == {"graph_capture": 1, "first_token": 1, "express": 1, "prefill": 1,
+                                     "decode_only": 1}
+    gaps = [20, 30, 250, 180, 150, 120, 110]  # the last step gave no running request a token
+    assert summary["decode_step_p50_ms"] == pytest.approx(np.percentile(gaps, 50))
+    assert summary["decode_step_p99_ms"] == pytest.approx(np.percentile(gaps, 99))
+    assert EngineTrace(steps).summary(2.0, 200.0)["slow_steps"] == {"graph_capture": 1}

@@ -3,9 +3,8 @@
 
 Times are taken when `step()` returns the tokens, which is when a server would stream them. A run given a time limit
 stops stepping once past it; the requests still open then are recorded as errors ("unfinished"), so a run cut short
-reports only what it completed. Beside the requests' own
-timings it keeps what the engine did: each step's duration and whether it ran prefill layers, the peak bytes held and
-the ShadowKV selection counters over the run.
+reports only what it completed. Beside the requests' own timings it keeps what the engine did: each step's duration
+and what it held (StepRecord), the peak bytes held and the ShadowKV selection counters over the run.
 """
 from __future__ import annotations
 
@@ -17,25 +16,54 @@ import torch
 from benchmarks.memory_model import non_torch_gpu_bytes
 from shadowkv_core import LLMEngine, SamplingParams
 
-from .metrics import RequestRecord
+from .metrics import RequestRecord, percentile
 from .scenarios import Conversation
 
 
 @dataclass
+class StepRecord:
+    seconds: float
+    prefilled: bool  # it ran layers of a prefill
+    tokens: int  # requests that got a token from it
+    first_tokens: int  # of those, requests whose first token it was (their prefill ended)
+    express: bool  # a short prefill beside the one under way (LLMEngine.express_job) before or after it
+    captures: int  # decode CUDA graphs it captured (a batch shape not seen before runs eager, then is captured)
+
+    def cause(self) -> str:
+        """What a slow step held, the first that applies: a graph capture, a prefill that ended, an express
+        prefill, other prefill slices, or nothing but the decode."""
+        if self.captures:
+            return "graph_capture"
+        if self.first_tokens:
+            return "first_token"
+        if self.express:
+            return "express"
+        return "prefill" if self.prefilled else "decode_only"
+
+
+@dataclass
 class EngineTrace:
-    steps: list[tuple[float, bool]] = field(default_factory=list)  # (seconds, ran prefill layers)
+    steps: list[StepRecord] = field(default_factory=list)
     peak_host_bytes: int = 0
     selected: int = 0  # ShadowKV chunk selections over the run, and how many were already resident
     hits: int = 0
 
-    def summary(self, wall: float) -> dict:
+    def summary(self, wall: float, slow_ms: float) -> dict:
         """outside_steps_s: the run's time between the engine's steps (the driver's bookkeeping, the engine's
-        statistics), which a server pays between steps too."""
-        total = sum(s for s, _ in self.steps)
-        with_prefill = sum(s for s, prefilled in self.steps if prefilled)
+        statistics), which a server pays between steps too. Steps that gave a running request its next token (an
+        inter-token gap): their duration's p50 and p99, and those over slow_ms counted by what they held."""
+        total = sum(step.seconds for step in self.steps)
+        with_prefill = sum(step.seconds for step in self.steps if step.prefilled)
+        gaps = [step.seconds * 1e3 for step in self.steps if step.tokens > step.first_tokens]
+        slow: dict[str, int] = {}
+        for step in self.steps:
+            if step.tokens > step.first_tokens and step.seconds * 1e3 > slow_ms:
+                slow[step.cause()] = slow.get(step.cause(), 0) + 1
         return {"steps": len(self.steps), "prefill_step_share": with_prefill / total if total else 0.0,
                 "prefill_step_s": with_prefill, "decode_only_step_s": total - with_prefill,
                 "outside_steps_s": wall - total,
+                "decode_step_p50_ms": percentile(gaps, 50), "decode_step_p99_ms": percentile(gaps, 99),
+                "slow_steps": slow,
                 "peak_host_gib": self.peak_host_bytes / 2**30,
                 "hit_rate": self.hits / self.selected if self.selected else None}
 
@@ -64,10 +92,15 @@ class OfflineRun:
         for conversation in self.workload:
             self._submit(conversation, 0)
         while self.engine.has_unfinished_requests() and not self._past_limit():
+            express, captures = self.engine.express_job is not None, self._captures()
             began = time.perf_counter()
             outputs = self.engine.step()
             now = time.perf_counter()
-            self.trace.steps.append((now - began, self.engine.last_step_prefilled))
+            tokens = [out for out in outputs if out.new_token_ids]
+            first = sum(not self.records[out.request_id].events for out in tokens)
+            self.trace.steps.append(StepRecord(now - began, self.engine.last_step_prefilled, len(tokens), first,
+                                               express or self.engine.express_job is not None,
+                                               self._captures() - captures))
             self._observe(outputs, now - self.start)
         wall = time.perf_counter() - self.start
         for record in self.records.values():
@@ -103,6 +136,10 @@ class OfflineRun:
             self.answers[conversation.id].append(list(out.token_ids))
             if out.error is None and record.turn + 1 < len(conversation.turns):
                 self._submit(conversation, record.turn + 1)
+
+    def _captures(self) -> int:
+        graphs = self.engine.runner.graphs
+        return 0 if graphs is None else graphs.captures
 
     def _selection_counters(self) -> tuple[int, int]:
         stats = self.engine.stats()

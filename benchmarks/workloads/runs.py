@@ -99,7 +99,8 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         # the timed run's own counts; prefix_cached_bytes is a level, as the run leaves it
         prefix = {k: v - before[k] if k in PREFIX_COUNTERS else v for k, v in engine.stats().items()
                   if k.startswith("prefix_")}
-        return run_row(scenario, method, "offline", records, wall, args.events, **trace.summary(wall), **prefix,
+        steps = trace.summary(wall, SCENARIOS[scenario].itl_bound_ms)
+        return run_row(scenario, method, "offline", records, wall, args.events, **steps, **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
                        prefill_step_tflop=engine.config.prefill_step_tflop,
                        prefill_step_ms=engine.config.prefill_step_ms, overlap_prefill=engine.streams is not None,

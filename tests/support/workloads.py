@@ -43,6 +43,10 @@ def check_run(rows: list[dict], runs: list[tuple], workloads: dict | None = None
                 assert q["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
                 assert q["sent_s"] >= before["events"][-1][0]
         check_figures(row, records)
+        if "steps" in row:  # offline: the slow steps, by what they held, are some of the steps
+            assert set(row["slow_steps"]) <= {"graph_capture", "first_token", "express", "prefill", "decode_only"}
+            assert sum(row["slow_steps"].values()) < row["steps"]
+            assert 0 < row["decode_step_p50_ms"] <= row["decode_step_p99_ms"]
     shadow = [r for r in rows if r["method"] == "shadowkv"]
     assert all(0 <= r["hit_rate"] <= 1 for r in shadow) and all(r["hit_rate"] is None for r in rows
                                                                 if r["method"] == "dense")
