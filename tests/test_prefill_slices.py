@@ -218,7 +218,7 @@ def test_paced_steps_prefill_a_prompt_in_fewer_steps_while_they_are_short_and_ch
     fixed, want = paced_prefill_steps(tiny_path, cache, None, 0.001)
     short, got = paced_prefill_steps(tiny_path, cache, 40.0, 0.001)
     long, got_long = paced_prefill_steps(tiny_path, cache, 40.0, 0.080)
-    assert fixed > 100 and short < fixed / 4  # budgets that grow 1.25x a step: over a hundred steps become a few dozen
+    assert fixed > 100 and short < fixed / 4  # budgets that grow 1.25x a step: under a quarter of the steps
     assert long == fixed  # steps over the target: prefill_step_tflop, as without a target
     assert got.token_ids == want.token_ids == got_long.token_ids
 

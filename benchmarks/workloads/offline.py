@@ -9,6 +9,7 @@ and what it held (StepRecord), the peak bytes held and the ShadowKV selection co
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -54,16 +55,14 @@ class EngineTrace:
         inter-token gap): their duration's p50 and p99, and those over slow_ms counted by what they held."""
         total = sum(step.seconds for step in self.steps)
         with_prefill = sum(step.seconds for step in self.steps if step.prefilled)
-        gaps = [step.seconds * 1e3 for step in self.steps if step.tokens > step.first_tokens]
-        slow: dict[str, int] = {}
-        for step in self.steps:
-            if step.tokens > step.first_tokens and step.seconds * 1e3 > slow_ms:
-                slow[step.cause()] = slow.get(step.cause(), 0) + 1
+        gaps = [step for step in self.steps if step.tokens > step.first_tokens]
+        gaps_ms = [step.seconds * 1e3 for step in gaps]
+        slow = Counter(step.cause() for step, ms in zip(gaps, gaps_ms) if ms > slow_ms)
         return {"steps": len(self.steps), "prefill_step_share": with_prefill / total if total else 0.0,
                 "prefill_step_s": with_prefill, "decode_only_step_s": total - with_prefill,
                 "outside_steps_s": wall - total,
-                "decode_step_p50_ms": percentile(gaps, 50), "decode_step_p99_ms": percentile(gaps, 99),
-                "slow_steps": slow,
+                "decode_step_p50_ms": percentile(gaps_ms, 50), "decode_step_p99_ms": percentile(gaps_ms, 99),
+                "slow_steps": dict(slow),
                 "peak_host_gib": self.peak_host_bytes / 2**30,
                 "hit_rate": self.hits / self.selected if self.selected else None}
 
