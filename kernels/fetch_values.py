@@ -25,21 +25,22 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items", "blocks", "stride_mb", "stride_mh"])  # these follow the miss count
 def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr,
-                         miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, num_items, num_host_pages,
+                         miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, num_items, blocks, num_host_pages,
                          stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
                          stride_on, stride_oh,
-                         NUM_HEADS: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
+                         NUM_HEADS: tl.constexpr, CHUNK: tl.constexpr,
                          PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
                          FP8: tl.constexpr, TIERED: tl.constexpr):
     # Work items (sequence, KV head, block of MISSES_PER_PROGRAM misses), taken in turn by the grid's programs: one
-    # each with a full grid, several each with a capped (persistent) one.
+    # each with a full grid, several each with a capped (persistent) one. `blocks` is a runtime value, not a constant:
+    # it follows the miss count, which a prefix read sets to the prefix's chunks (one compile per prefix length).
     ROWS: tl.constexpr = MISSES_PER_PROGRAM * CHUNK
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        blk, h, b = item % BLOCKS, item // BLOCKS % NUM_HEADS, item // (BLOCKS * NUM_HEADS)
+        blk, h, b = item % blocks, item // blocks % NUM_HEADS, item // (blocks * NUM_HEADS)
         num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
         if blk * MISSES_PER_PROGRAM < num_miss:
             miss = blk * MISSES_PER_PROGRAM + offs_r // CHUNK  # (ROWS,) miss index of each token row
@@ -118,9 +119,9 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
     grid = (num_items if max_programs is None else max(1, min(max_programs, num_items)),)
     _fetch_values_kernel[grid](
         host_values, host_scales, dev_values, dev_scales, dev_hits, host_table, miss_chunks, miss_slots, num_miss,
-        slot_ids, value_slots, num_items, P,
+        slot_ids, value_slots, num_items, blocks, P,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
         value_slots.stride(0), value_slots.stride(1),
-        NUM_HEADS=Hkv, BLOCKS=blocks, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
+        NUM_HEADS=Hkv, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
         MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, TIERED=device_region is not None, num_warps=num_warps)

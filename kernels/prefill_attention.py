@@ -8,7 +8,8 @@ stages: keys every one of its queries sees (no mask), then the diagonal blocks (
 
 Split over the keys (flash-decoding): a grid too small to fill the GPU (few short chunks after a long prefix) splits
 each program's unmasked keys into S ranges run by S programs, the last of which also takes the diagonal; each writes
-its normalised output and log-sum-exp to fp32 scratch, and a second kernel merges the S partials per query.
+its normalised output and log-sum-exp to fp32 scratch, and a second kernel merges the S partials per query. S is a
+kernel argument, not a constant: S follows the batch's shape, and each constant would be a compile of its own.
 Reference: shadowkv_core.attention.prefill_chunks_attention_ref.
 
 Shapes (B sequences, Hq = Hkv * G query heads, d head_dim):
@@ -58,13 +59,12 @@ def _attend_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, scale_log2, pos_m,
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_os, stride_ot, stride_oh, stride_ls,
-                    stride_lt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    stride_lt, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     hq, b = tl.program_id(0), tl.program_id(2)
-    split = tl.program_id(1) % NUM_SPLITS
+    split = tl.program_id(1) % num_splits
     # the blocks with the most keys first: a shorter tail
-    start_m = tl.num_programs(1) // NUM_SPLITS - 1 - tl.program_id(1) // NUM_SPLITS
+    start_m = tl.num_programs(1) // num_splits - 1 - tl.program_id(1) // num_splits
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if start_m * BLOCK_M >= q_len:
@@ -88,14 +88,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, s
     # Keys before this block's first query are seen by all its queries; whole key blocks of them need no mask. This
     # split takes its share of those blocks (possibly none, for a sequence with few keys), the last also the diagonal.
     unmasked_blocks = (chunk_start + start_m * BLOCK_M) // BLOCK_N
-    per_split = tl.cdiv(unmasked_blocks, NUM_SPLITS)
+    per_split = tl.cdiv(unmasked_blocks, num_splits)
     lo = tl.minimum(split * per_split, unmasked_blocks) * BLOCK_N
     hi = tl.minimum((split + 1) * per_split, unmasked_blocks) * BLOCK_N
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, scale_log2, pos_m, k_len, lo, hi,
                                  BLOCK_N, False, DOT_PRECISION)
     unmasked_end = unmasked_blocks * BLOCK_N
     diagonal_end = tl.minimum(chunk_start + (start_m + 1) * BLOCK_M, k_len)
-    diagonal_end = tl.where(split == NUM_SPLITS - 1, diagonal_end, unmasked_end)
+    diagonal_end = tl.where(split == num_splits - 1, diagonal_end, unmasked_end)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, scale_log2, pos_m, k_len,
                                  unmasked_end, diagonal_end, BLOCK_N, True, DOT_PRECISION)
     l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split (m_i = -inf): zero output, lse -inf
@@ -110,9 +110,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, s
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, total_q, stride_ps, stride_pt, stride_ph,
-                         stride_pls, stride_plt, stride_ot, stride_oh, stride_lt, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Each query's NUM_SPLITS partial outputs (NUM_SPLITS, total_q, Hq, d) and lse (NUM_SPLITS, total_q, Hq),
+                         stride_pls, stride_plt, stride_ot, stride_oh, stride_lt, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Each query's num_splits partial outputs (num_splits, total_q, Hq, d) and lse (num_splits, total_q, Hq),
     fp32, merged by log-sum-exp into out and lse."""
     hq = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -122,11 +122,11 @@ def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, total_q, stri
     part_ptrs = part_ptr + rows[:, None] * stride_pt + hq * stride_ph + offs_d[None, :]
     lse_ptrs = part_lse_ptr + rows * stride_plt + hq
     # the last split holds the diagonal, never empty: the running max starts finite there
-    last = NUM_SPLITS - 1
+    last = num_splits - 1
     m = tl.load(lse_ptrs + last * stride_pls, mask=valid, other=0.0)
     acc = tl.load(part_ptrs + last * stride_ps, mask=valid[:, None], other=0.0)
     l = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS - 1):
+    for s in range(num_splits - 1):
         lse_s = tl.load(lse_ptrs + s * stride_pls, mask=valid, other=float("-inf"))
         m_new = tl.maximum(m, lse_s)
         alpha, w = tl.exp(m - m_new), tl.exp(lse_s - m_new)
@@ -196,13 +196,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _prefill_kernel[grid](
         q, k, v, part, part_lse, cu_seqlens_q, cu_seqlens_k, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=Hq // Hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        part_lse.stride(0), part_lse.stride(1), num_splits,
+        GROUP=Hq // Hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         WRITE_LSE=return_lse or num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(triton.cdiv(total_q, MERGE_BLOCK_T), Hq)](
             part, part_lse, out, lse, total_q, part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0),
-            part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0), HEAD_DIM=d, NUM_SPLITS=num_splits,
+            part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0), num_splits, HEAD_DIM=d,
             BLOCK_T=MERGE_BLOCK_T, WRITE_LSE=return_lse, num_warps=4)
     return (out, lse) if return_lse else out

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from test_kernels_utils import DEVICE, LLAMA, assert_close, page_tables, ragged_lengths, random_misses, slot_ids_for
-from kernels.fetch_values import fetch_values
+from kernels.fetch_values import _fetch_values_kernel, fetch_values
 from shadowkv_core.shadowkv.batched_reference import gather_values_batched
 from shadowkv_core.shadowkv.reference import quantize_values
 
@@ -99,3 +99,15 @@ def test_fetch_values_fp8_llama():
     num_chunks = ragged_lengths(128 * 1024 // C, 4, seed=5)
     _check(num_chunks, LLAMA["num_kv_heads"], LLAMA["head_dim"], LLAMA["budget_chunks"], C, 128, torch.bfloat16,
            "cuda", fp8=True, max_programs=32)
+
+
+@pytest.mark.gpu
+def test_fetch_values_compiles_once_for_every_miss_count():
+    """A prefix read's miss count is the prefix's chunk count: reads of prefixes of other lengths (multiples of 16
+    or not) launch the kernel already compiled."""
+    compiled = _fetch_values_kernel.device_caches[torch.cuda.current_device()][0]
+    _check([300, 170], 2, 32, 12, 4, 16, torch.bfloat16, "cuda", seed=8)
+    count = len(compiled)
+    for K in (32, 45, 100, 256):
+        _check([300, 170], 2, 32, K, 4, 16, torch.bfloat16, "cuda", seed=K)
+    assert len(compiled) == count

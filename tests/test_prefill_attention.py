@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from test_kernels_utils import DEVICE, LLAMA, assert_close, ragged_lengths
-from kernels.prefill_attention import choose_num_splits, prefill_attention
+from kernels.prefill_attention import _merge_splits_kernel, _prefill_kernel, choose_num_splits, prefill_attention
 import shadowkv_core.attention as attention
 from shadowkv_core.attention import (chunk_attention, prefill_attention_ref, prefill_attention_split,
                                      prefill_chunks_attention_ref)
@@ -173,6 +173,19 @@ def test_prefill_attention_llama(context, chunk, batch, d):
 def test_prefill_attention_key_splits_llama(num_splits, Hq, Hkv, d):
     chunks = [(1, 9001), (50, 50), (129, 4099), (7, 3001)]
     _check_split(chunks, Hq, Hkv, d, torch.bfloat16, "cuda", num_splits, seed=Hq + d)
+
+
+@pytest.mark.gpu
+def test_prefill_attention_compiles_once_for_every_split_count():
+    """The split count follows the batch's shape: every count above one, with and without lse, launches the kernels
+    already compiled."""
+    chunks = [(1, 9001), (129, 4099)]
+    _check_split(chunks, 32, 8, 128, torch.bfloat16, "cuda", 2, seed=2, without_lse=True)
+    device = torch.cuda.current_device()
+    counts = [len(kernel.device_caches[device][0]) for kernel in (_prefill_kernel, _merge_splits_kernel)]
+    for num_splits in (3, 5, 7, 11):
+        _check_split(chunks, 32, 8, 128, torch.bfloat16, "cuda", num_splits, seed=num_splits, without_lse=True)
+    assert [len(kernel.device_caches[device][0]) for kernel in (_prefill_kernel, _merge_splits_kernel)] == counts
 
 
 @pytest.mark.gpu
