@@ -525,6 +525,54 @@ def test_an_adopted_prefix_is_rebuilt_as_decode_rebuilds_a_chunk(tiny_path, monk
     assert (sum(outside) == 0) == landmark_rebuild
 
 
+def check_prefix_on_kernels(tiny_path, monkeypatch, landmark_rebuild, key_tol, **llm_kwargs):
+    """Every layer of an adopted prefix read on the kernels (prefill.prefix_keys_values) against the reference path
+    on the same state: keys within key_tol, values exact."""
+    shadow = ShadowKVConfig(rank=4, chunk_size=4, sparse_budget=8, outlier_chunks=2, local_chunks=2,
+                            min_context=128, decode_window=16, landmark_rebuild=landmark_rebuild)
+    llm = engine_llm(tiny_path, shadow, use_kernels=True, **llm_kwargs)
+    rebuild, compared = prefill.prefix_keys_values, []
+
+    def both(cache, layer, st, keys, values):
+        rebuild(cache, layer, st, keys, values)
+        assert cache.spec.kernels
+        reference = SimpleNamespace(**{**vars(cache), "spec": dataclasses.replace(cache.spec, use_kernels=False)})
+        want_keys, want_values = torch.empty_like(keys), torch.empty_like(values)
+        rebuild(reference, layer, st, want_keys, want_values)
+        torch.testing.assert_close(keys, want_keys, rtol=key_tol, atol=key_tol)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+        compared.append(layer)
+
+    monkeypatch.setattr(prefill, "prefix_keys_values", both)
+    doc = tokens(300, 51)
+    llm.generate([doc + tokens(5, 52)], GREEDY)
+    llm.generate([doc + tokens(9, 53)], GREEDY)
+    assert compared == list(range(len(llm.engine.model.layers)))
+    return llm
+
+
+@pytest.mark.parametrize("landmark_rebuild,rope", [(False, None), (True, None),
+                                                    (False, {"rope_type": "dynamic", "factor": 2.0})])
+def test_an_adopted_prefix_on_the_kernels_equals_the_reference_path(tiny_path, tmp_path, monkeypatch,
+                                                                    landmark_rebuild, rope):
+    """On the kernels an adopted prefix's keys come from the decode path's fused rebuild (and its values from the
+    fetch kernel), every chunk a miss: the reference path's keys and values, at a rank that leaves a real rebuild,
+    also for RoPE that follows the sequence's length (past 256 positions here). Triton's interpreter on the CPU,
+    fp32."""
+    if rope is not None:
+        tiny_path = str(build_tiny_model(tmp_path, seed=1, rope_scaling=rope, max_position_embeddings=256))
+    llm = check_prefix_on_kernels(tiny_path, monkeypatch, landmark_rebuild, 1e-4)
+    assert llm.engine.model.rotary.uses_seq_lens == (rope is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("landmark_rebuild", [False, True])
+def test_an_adopted_prefix_on_the_kernels_equals_the_reference_path_bf16(tiny_path, monkeypatch, landmark_rebuild):
+    """As above on CUDA in bf16: the fused rebuild's keys within a bf16 rounding of the reference's."""
+    check_prefix_on_kernels(tiny_path, monkeypatch, landmark_rebuild, 2e-2, device="cuda", dtype="bfloat16",
+                            host_cache_gib=0.05)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     """On the kernels an adopted prefix's values come through the decode path's fetch kernel, every chunk of every

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fetch_values import fetch_values
+from kernels.rebuild_keys import rebuild_keys
 from shadowkv_core.attention import prefill_attention_ref
 from shadowkv_core.shadowkv.decode import rope_lens
 from shadowkv_core.shadowkv.manager import Factors, SequenceState
@@ -170,22 +171,25 @@ def append_suffix(cache, layer: int, st: SequenceState, k_pre: torch.Tensor, k_r
 def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Keys and values (P, Hkv, d) of a sequence's adopted prefix, for attention, into keys and values: keys rebuilt
     from U rows and the slot's SV with RoPE at their true positions (as decode rebuilds a missed chunk; fp32 math,
-    rounded once into keys), values read from the value store; the outlier chunks exact, from the slot."""
+    rounded once into keys), values read from the value store; the outlier chunks exact, from the slot. With
+    kernels, both by the decode path's kernels, every chunk a miss."""
     slots, C, P = cache.slots, cache.config.chunk_size, st.cached
     device = st.gpu_table.device
-    positions = torch.arange(P, device=device)
-    u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
-    k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[layer][st.slot].float())  # (P, Hkv, d)
-    Hkv, n, d = k_pre.shape[1], P // C, k_pre.shape[2]
-    k_rot = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
-    if cache.config.landmark_rebuild:  # as decode moves a rebuilt chunk
-        landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, n).reshape(n * Hkv, -1)
-        chunks = k_rot.view(n, C, Hkv, d).transpose(1, 2).reshape(n * Hkv, C, d)
-        k_rot = meet_landmarks(chunks, landmarks, cache.config.landmark_kind).view(n, Hkv, C, d).transpose(1, 2)
-    keys.copy_(k_rot.reshape(P, Hkv, d))
+    Hkv, n = slots.sv[layer].shape[1], P // C
     if cache.spec.kernels:
+        keys.copy_(rebuild_prefix_keys(cache, layer, st, n).transpose(0, 1))
         values.copy_(fetch_prefix_values(cache, layer, st, Hkv, n).transpose(0, 1))
     else:
+        positions = torch.arange(P, device=device)
+        u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
+        k_pre = torch.einsum("pr,hrd->phd", u.float(), slots.sv[layer][st.slot].float())  # (P, Hkv, d)
+        d = k_pre.shape[2]
+        k_rot = cache.rotary.apply(k_pre, positions, rope_lens(cache, st, positions)).float()
+        if cache.config.landmark_rebuild:  # as decode moves a rebuilt chunk
+            landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, n).reshape(n * Hkv, -1)
+            chunks = k_rot.view(n, C, Hkv, d).transpose(1, 2).reshape(n * Hkv, C, d)
+            k_rot = meet_landmarks(chunks, landmarks, cache.config.landmark_kind).view(n, Hkv, C, d).transpose(1, 2)
+        keys.copy_(k_rot.reshape(P, Hkv, d))
         chunks = torch.arange(n).repeat(Hkv)  # (Hkv*n,) every chunk of every head
         values.copy_(cache.host.gather(layer, st.value_table, chunks, torch.arange(Hkv).repeat_interleave(n), C,
                                        device).view(Hkv, P, -1).transpose(0, 1))
@@ -205,13 +209,38 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor,
     values[rows, heads] = slots.outlier_v[st.slot, layer][heads, src]
 
 
+def every_chunk(num_kv_heads: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Miss lists (1, Hkv, n) int32 naming every one of n chunks into the slot of its own index, and their counts
+    (1, Hkv): the decode kernels' arguments for a whole prefix, read in order."""
+    ints = torch.arange(n, dtype=torch.int32, device=device).expand(1, num_kv_heads, n).contiguous()
+    return ints, torch.full((1, num_kv_heads), n, dtype=torch.int32, device=device)
+
+
+def rebuild_prefix_keys(cache, layer: int, st: SequenceState, n: int) -> torch.Tensor:
+    """Keys (Hkv, n*C, d) of the first n chunks of a sequence, rebuilt by the decode path's fused kernel (U rows
+    times the slot's SV, RoPE at their true positions, onto their landmarks where configured): every prefix
+    position rotated with one set of frequencies, the reader's (rope_lens)."""
+    C, device = cache.config.chunk_size, st.gpu_table.device
+    sv = cache.slots.sv[layer][st.slot:st.slot + 1]  # (1, Hkv, r, d): the output's one slot
+    Hkv, d = sv.shape[1], sv.shape[3]
+    ints, num_miss = every_chunk(Hkv, n, device)
+    first = torch.zeros(1, dtype=torch.int64, device=device)
+    inv_freq = cache.rotary.frequencies(first, rope_lens(cache, st, first)).float().reshape(1, -1)
+    out = torch.empty(1, Hkv, n * C, d, dtype=sv.dtype, device=device)
+    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
+                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
+    rebuild_keys(cache.gpu.u[layer], st.gpu_table[None].to(torch.int32), sv, inv_freq, cache.rotary.attention_factor,
+                 cache.rotary.interleaved, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32, device=device), out,
+                 C, **landmarks)
+    return out[0]
+
+
 def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int) -> torch.Tensor:
     """Values (Hkv, n*C, d) of the first n chunks of a sequence, every KV head, read on the device by the decode
     path's fetch kernel: every chunk a miss, straight from the pinned host pages (and the device region's) at PCIe
     speed, with no host gather or staging copy."""
     C, device = cache.config.chunk_size, st.gpu_table.device
-    ints = torch.arange(n, dtype=torch.int32, device=device).expand(1, num_kv_heads, n).contiguous()  # (1, Hkv, n)
-    num_miss = torch.full((1, num_kv_heads), n, dtype=torch.int32, device=device)
+    ints, num_miss = every_chunk(num_kv_heads, n, device)
     out = torch.empty(1, num_kv_heads, n * C, cache.host.shape[-1], dtype=cache.host.dtype, device=device)
     region = cache.host.device_region(layer)
     table = to_device(st.value_table[None], torch.int32, device)
