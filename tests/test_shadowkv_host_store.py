@@ -99,6 +99,18 @@ def test_pinned_region_is_registered_and_read_by_the_gpu():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_host_bytes_count_the_pages_a_read_takes_from_the_host_region(fp8):
+    """A read of a sequence's first tokens takes each of their pages (a part page whole) from where it lies: those
+    in the device region cost no host bytes."""
+    kw = dict(value_format="fp8", chunk_size=4) if fp8 else {}
+    store = make_store(num_pages=4, num_device_pages=3, **kw)
+    per_layer = store.page_bytes // 2
+    table = torch.tensor([4, 1, 6, 0, 3])  # device pages 0 and 2 among host pages
+    assert [store.host_bytes(table, n) for n in (8, 16, 24, 25, 32, 40)] == [
+        0, per_layer, per_layer, 2 * per_layer, 2 * per_layer, 3 * per_layer]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_device_region_pages_write_and_gather_as_the_host(fp8):
     """A sequence's first pages in the device region (ids after the host's), the rest on the host: writes across the
     boundary land in both regions, and gather returns what a host-only store returns."""

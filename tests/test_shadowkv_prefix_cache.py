@@ -440,6 +440,41 @@ def test_a_suffix_prefill_sliced_over_many_steps_beside_decodes_gives_the_cold_t
     assert settled(engine)
 
 
+def test_a_sliced_suffix_prefill_reads_each_layers_prefix_at_the_start_of_a_step(tiny_path, cold, monkeypatch):
+    """The read of the cached prefix's values from host memory counts in the step's budget (PrefillBudget.host_read):
+    one that does not fit what a step has left waits for the next step and opens it, so no step holds it after other
+    slices; the tokens are still the cold ones."""
+    llm = engine_llm(tiny_path)
+    engine, cache = llm.engine, llm.engine.cache
+    doc = tokens(300, 60)
+    llm.generate([doc + [1]], GREEDY)
+    engine.add_request("decoding", tokens(150, 61), DECODING)
+    while not engine.step():
+        pass
+    rows = PrefillBudget(engine.model.rank_spec).projection_row * 8
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows / 1e12)
+    reads, begin = [], cache.prefill_begin
+
+    def opening_a_step(layer, q, k_pre, k_rot, v, meta):
+        job = engine.prefill_job
+        if meta is job.meta:
+            read = cache.prefill_read_bytes(layer, meta)
+            reads.append((read, job.budget.left == job.budget.granted))
+        return begin(layer, q, k_pre, k_rot, v, meta)
+
+    monkeypatch.setattr(cache, "prefill_begin", opening_a_step)
+    prompt = doc + tokens(40, 62)
+    engine.add_request("suffix", prompt, GREEDY)
+    outs = {}
+    while "suffix" in engine.requests:
+        outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert outs["suffix"] == cold.generate([prompt], GREEDY)[0].token_ids
+    assert len(reads) == engine.model.spec.num_layers
+    assert all(read > 0 and opens for read, opens in reads)
+    engine.abort("decoding")
+    assert settled(engine)
+
+
 def test_bad_input_is_refused_as_before_and_changes_nothing_cached(tiny_path):
     llm = engine_llm(tiny_path)
     engine = llm.engine

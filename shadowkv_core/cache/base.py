@@ -177,6 +177,11 @@ class KVCache(abc.ABC):
         Shapes as in `attend`."""
         raise NotImplementedError(f"{type(self).__name__} prefills whole layers only")
 
+    def prefill_read_bytes(self, layer: int, meta: AttentionMetadata) -> int:
+        """Bytes that prefill_begin reads from host memory for `layer` (a cached prefix's values kept there), which
+        the sliced prefill's budget counts beside its FLOPs. Here: none."""
+        return 0
+
     def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           whole: bool = True) -> torch.Tensor:
         """Causal attention of a chunk of one sequence's queries (n_q, Hq, d), the last n_q of keys and values

@@ -88,7 +88,7 @@ class ModelRunner:
         """Run slices of the job's prefill worth about `flops` (estimated: models/prefill_cost.py; at least one slice;
         None: all that is left); once it has run every layer, (B, vocab) float32 logits of each prompt's last token
         (and the job's prompt_logprobs), else None."""
-        job.budget.left = math.inf if flops is None else flops
+        job.budget.grant(math.inf if flops is None else flops)
         while job.next_layer < self.num_layers and job.budget.left > 0:
             if job.layer is None:
                 job.layer = self.model.layers[job.next_layer].prefill_slices(

@@ -204,9 +204,11 @@ class DecoderLayer(nn.Module):
                 self.input_layernorm(h[s:e]), positions[s:e], None if seq_lens is None else seq_lens[s:e])
 
         yield from budget.run_slices(n, limit, lambda s, e: (e - s) * budget.projection_row, project)
+        begun = []  # each sequence's keys and values, cached prefix first
+        yield from budget.run_whole(budget.host_read(cache.prefill_read_bytes(layer, meta)),
+                                    lambda: begun.extend(cache.prefill_begin(layer, q, k_pre, k_rot, v, meta)))
         out = torch.empty_like(q)
-        for start, rows, (keys, values) in zip(meta.query_starts, meta.query_lens,
-                                               cache.prefill_begin(layer, q, k_pre, k_rot, v, meta)):
+        for start, rows, (keys, values) in zip(meta.query_starts, meta.query_lens, begun):
             yield from self._attention_slices(q[start:start + rows], keys, values, out[start:start + rows], cache,
                                               budget)
         yield

@@ -136,6 +136,18 @@ class ShadowKVCache(KVCache):
         return [prompt_keys_values(self, layer, st, k_rot[start:start + n], v[start:start + n], shared)
                 for st, start, n in zip(states, meta.query_starts, meta.query_lens)]
 
+    def prefill_read_bytes(self, layer, meta):
+        """Each adopted prefix's values in the host region, once for the prompts that read one prefix together
+        (prompt_keys_values shares them unless RoPE follows each reader's length)."""
+        shared = not getattr(self.rotary, "uses_seq_lens", False)
+        seen, total = set(), 0
+        for st in self._states(meta):
+            key = (id(st.adopted), st.cached)
+            if st.cached and not (shared and key in seen):
+                seen.add(key)
+                total += self.host.host_bytes(st.value_table, st.cached)
+        return total
+
     def prefill_attention(self, q, keys, values, whole=True):
         return chunk_attention(q, keys, values, self.spec.scale, self.spec.prefill_attention, whole)
 

@@ -181,6 +181,12 @@ class HostValueStore:
             return None
         return self.device_values[layer], self.device_scales[layer] if self.fp8 else None
 
+    def host_bytes(self, table: torch.Tensor, num_tokens: int) -> int:
+        """Bytes of one layer read from host memory to read a sequence's first num_tokens tokens (table: its pages);
+        its pages in the device region read none."""
+        pages = table[:-(-num_tokens // self.page_tokens)]
+        return int((pages < self.num_pages).sum()) * (self.page_bytes // self.shape[0])
+
     def fetch_bytes(self) -> int:
         """Host bytes read to fetch one chunk (chunk_size tokens) of one KV head."""
         d = self.shape[-1]

@@ -132,6 +132,10 @@ class HybridCache(KVCache):
                  for cache, sub, rows in self._sides(split)}
         return [next(sides[self.shadow if self.manager.in_shadow(s) else self.dense]) for s in meta.seq_ids]
 
+    def prefill_read_bytes(self, layer, meta):
+        shadow_meta = self._split(meta).shadow_meta
+        return 0 if shadow_meta is None else self.shadow.prefill_read_bytes(layer, shadow_meta)
+
     def prefill_attention(self, q, keys, values, whole=True):
         return self.dense.prefill_attention(q, keys, values, whole)  # both sides' specs are the model's
 
