@@ -195,6 +195,9 @@ class EngineConfig:
         high-priority one (engine/streams.py): the slices may run while the decode waits on its value fetch,
         and the decode's blocks go first where both are ready; the same tokens. auto: on CUDA with
         tensor_parallel_size 1 (a rank's two streams would issue their collectives side by side).
+    warm_up: when a replica's engine starts (start_engine), run synthetic requests through every path its first
+        requests would otherwise compile and capture on arrival (engine/warm_up.py), then clear the prefix cache.
+        auto: on CUDA (on the CPU nothing compiles).
     """
 
     model: str
@@ -224,6 +227,7 @@ class EngineConfig:
     cuda_graphs: bool | str = AUTO
     async_decode: bool | str = AUTO
     overlap_prefill: bool | str = AUTO
+    warm_up: bool | str = AUTO
 
     def __post_init__(self):
         _require(bool(self.model), "model must name a local directory or a hub id")
@@ -261,7 +265,7 @@ class EngineConfig:
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require_auto_or("pipeline_min_batch", self.pipeline_min_batch, (int,), "an integer >= 2 (two halves)",
                          lambda v: v >= 2)
-        for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode", "overlap_prefill"):
+        for name in ("use_kernels", "pipeline_decode", "cuda_graphs", "async_decode", "overlap_prefill", "warm_up"):
             _require_auto_or(name, getattr(self, name), (bool,), "true or false")
         for name in ("gpu_cache_gib", "host_cache_gib"):
             value = getattr(self, name)

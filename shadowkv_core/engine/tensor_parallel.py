@@ -13,13 +13,15 @@ import logging
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import EngineConfig
+from ..config import EngineConfig, choose
 from ..parallel import COLLECTIVE_TIMEOUT_S, init_tensor_parallel
 from .llm_engine import LLMEngine
 from .sequence import RequestOutput
+from .warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,17 @@ WORKER_JOIN_S = 10.0  # how long close() waits for a worker to leave before endi
 
 
 def start_engine(config: EngineConfig, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LLMEngine | TensorParallelEngine:
-    """The engine of one replica: an LLMEngine, or with tensor_parallel_size > 1 a TensorParallelEngine."""
-    if config.tensor_parallel_size == 1:
-        return LLMEngine(config)
-    return TensorParallelEngine(config, timeout_s)
+    """The engine of one replica: an LLMEngine, or with tensor_parallel_size > 1 a TensorParallelEngine; warmed up
+    (config.warm_up) before it is returned."""
+    engine = LLMEngine(config) if config.tensor_parallel_size == 1 else TensorParallelEngine(config, timeout_s)
+    if choose(config.warm_up, torch.device(config.device).type == "cuda"):
+        try:
+            done = warm_up(engine)
+        except BaseException:
+            engine.close()
+            raise
+        logger.info("warm-up: %.1f s, %d steps", done.seconds, done.steps)
+    return engine
 
 
 class TensorParallelEngine:

@@ -1,0 +1,99 @@
+"""A replica's warm-up (shadowkv_core/engine/warm_up.py): it runs a whole prefill, a prefill sliced beside a decode
+and a prompt over a cached prefix, then leaves the engine as a fresh one is (every pool, the prefix cache empty) and
+a request after it gets the tokens it gets on a fresh engine; start_engine runs it when config.warm_up asks."""
+import dataclasses
+
+import pytest
+import torch
+
+from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core.engine.tensor_parallel import start_engine
+from shadowkv_core.engine.warm_up import SUFFIX_TOKENS, warm_up, warm_up_prompt
+from shadowkv_core.models.prefill_cost import PrefillBudget
+from shadowkv_core.tiny_model import build_tiny_model
+
+SHADOW = ShadowKVConfig(rank=16, chunk_size=4, sparse_budget=32, outlier_chunks=2, local_chunks=2, min_context=32,
+                        decode_window=16)
+COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")  # cumulative: the warm-up's count
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3))
+
+
+def config(tiny_path, shadowkv, **kwargs):
+    return EngineConfig(model=tiny_path, max_num_seqs=4, max_model_len=512, gpu_cache_gib=0.03, shadowkv=shadowkv,
+                        **kwargs)
+
+
+def sliced(engine):
+    """The engine with a step budget of a few projection rows: a prompt beside a decode prefills over many steps."""
+    rows = PrefillBudget(engine.model.rank_spec).projection_row * 16
+    engine.config = dataclasses.replace(engine.config, prefill_step_tflop=rows / 1e12)
+    return engine
+
+
+def pools(engine):
+    """What the cache's pools hold (free and used blocks, slots, host pages, cached bytes), less the counters."""
+    return {k: v for k, v in engine.cache.manager.usage().items() if k not in COUNTERS}
+
+
+def greedy_tokens(engine, prompt):
+    engine.add_request("after", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o for o in engine.step() if o.request_id == "after"]
+    return out[-1].token_ids
+
+
+@pytest.mark.parametrize("shadowkv", [None, SHADOW], ids=["dense", "shadowkv"])
+def test_warm_up_runs_each_path_and_leaves_the_engine_as_a_fresh_one(tiny_path, shadowkv):
+    engine = sliced(LLMEngine(config(tiny_path, shadowkv)))
+    before = pools(engine)
+    done = warm_up(engine)
+    assert done.second_prompt_steps > 2  # sliced beside the first prompt's decode, not whole in one step
+    first = warm_up_prompt(engine.max_model_len, engine.spec.vocab_size)
+    page = engine.config.block_size if shadowkv is None else shadowkv.chunk_size * shadowkv.page_chunks
+    assert 0 < done.cached_tokens <= len(first) and done.cached_tokens % page == 0  # the first prompt's pages
+    assert done.steps > done.second_prompt_steps
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert pools(engine) == before
+    assert engine.stats()["prefix_hit_tokens"] == done.cached_tokens
+    engine.close()
+
+
+@pytest.mark.parametrize("shadowkv", [None, SHADOW], ids=["dense", "shadowkv"])
+def test_a_request_after_the_warm_up_gets_the_tokens_of_a_fresh_engine(tiny_path, shadowkv):
+    """The prompt shares the warm-up's first prompt's opening tokens: had its cached prefix survived, it would be
+    adopted and counted."""
+    prompt = warm_up_prompt(512, 256)[:100] + torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(5)
+                                                            ).tolist()
+    fresh = LLMEngine(config(tiny_path, shadowkv))
+    expected = greedy_tokens(fresh, prompt)
+    fresh.close()
+    warmed = sliced(LLMEngine(config(tiny_path, shadowkv)))
+    warm_up(warmed)
+    hits = warmed.stats()["prefix_hit_tokens"]
+    assert greedy_tokens(warmed, prompt) == expected
+    assert warmed.stats()["prefix_hit_tokens"] == hits  # nothing of the warm-up was left cached
+    warmed.close()
+
+
+def test_start_engine_warms_up_when_the_config_asks(tiny_path):
+    """auto: on CUDA only; true runs it on the CPU too (its third prompt then reads a cached prefix)."""
+    counts = {}
+    for option in (True, False, "auto"):
+        engine = start_engine(config(tiny_path, SHADOW, warm_up=option))
+        counts[option] = engine.stats()["prefix_query_tokens"]
+        engine.close()
+    first = warm_up_prompt(512, 256)
+    assert counts[True] >= 3 * len(first) + SUFFIX_TOKENS
+    assert counts[False] == 0
+    assert counts["auto"] == (counts[True] if torch.cuda.is_available() else 0)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_warm_up_option_is_checked(tiny_path, bad):
+    with pytest.raises(ValueError, match="warm_up must be 'auto' or true or false"):
+        config(tiny_path, None, warm_up=bad)
