@@ -95,19 +95,21 @@ def test_prefix_caching_can_be_turned_off_for_a_run(tmp_path):
 
 def test_a_scenario_warm_up_leaves_the_timed_run_its_own_counts(tmp_path):
     """--warm-up scenario serves the scenario once with another seed before the timed run, then clears the prefix
-    cache: the timed run's prefix counts are the same as after the one-request warm-up, not the two runs' sum."""
+    cache: the timed run's prefix counts are the same as after the engine's warm-up alone or none, not the two runs'
+    sum."""
     rows = {}
-    for mode in ("request", "scenario"):
+    for mode in ("engine", "scenario", "none"):
         out = tmp_path / f"{mode}.json"
         run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
                    "--events", "--scenarios", "shared_doc", "--methods", "shadowkv", "--no-isolate", "--warm-up", mode,
                    "--out", str(out), timeout_s=600)
         (rows[mode],) = json.loads(out.read_text())["rows"]
         check_run([rows[mode]], [("shared_doc", "shadowkv")])
-    assert rows["request"]["warm_up"] == "request" and rows["scenario"]["warm_up"] == "scenario"
+    assert [rows[mode]["warm_up"] for mode in rows] == list(rows)
+    assert rows["engine"]["warm_up_s"] > 0 and rows["none"]["warm_up_s"] is None
     counts = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")
-    assert rows["request"]["prefix_hit_tokens"] > 0
-    assert [rows["scenario"][k] for k in counts] == [rows["request"][k] for k in counts]
+    assert rows["engine"]["prefix_hit_tokens"] > 0
+    assert len({tuple(rows[mode][k] for k in counts) for mode in rows}) == 1
 
 
 def test_max_num_seqs_overrides_the_config(tmp_path):

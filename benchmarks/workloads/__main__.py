@@ -8,7 +8,7 @@
 Methods: `shadowkv` is the engine as the Serve config (--config, configs/prod.yaml by default) ships it; `dense` the
 same config with full attention; offline, `hf_static` and `hf_dynamic` are Hugging Face transformers (hf.py). --model: a geometry preset (random weights at its real shapes), `tiny`, or a
 checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py, runs.py), each
-(scenario, method) in a fresh process on CUDA after a warm-up request; online, through the service's OpenAI API,
+(scenario, method) in a fresh process on CUDA after the engine's warm-up; online, through the service's OpenAI API,
 streamed, the conversations arriving as a Poisson process at each of --rates (service.py, online.py). Writes one row
 per run (the figures of metrics.py and the engine's) to --out under benchmarks/results/, a PNG beside it (offline: the
 TTFT distributions; online: requests/min and goodput against the arrival rate), and a short table last.
@@ -81,10 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
-    parser.add_argument("--warm-up", choices=("request", "scenario"), default="request",
-                        help="offline, our engines: before the timed run, one request of a quarter of the context "
-                        "(at most 8K tokens), or that and the scenario once with another seed (every kernel compiled "
-                        "and batch shape captured first)")
+    parser.add_argument("--warm-up", choices=("engine", "scenario", "none"), default="engine",
+                        help="offline, our engines: before the timed run, the warm-up a replica runs when it starts "
+                        "(shadowkv_core/engine/warm_up.py); or that and the scenario once with another seed (every "
+                        "kernel compiled and batch shape captured first); or none (a replica started without it)")
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="offline: stop each run this long after its start; what is open then counts as unfinished")
     parser.add_argument("--rates", type=float, nargs="+", default=None,

@@ -1,7 +1,7 @@
 """The workload benchmark's runs: an offline run (a method's engine built from a Serve config, warmed up, serving one
 scenario; in a module of its own so that a fresh process, one per run on CUDA, can import it) and the offline runs one
 after another, with what both drivers share: the model directory that --model names, a method's Serve application
-args, the warm-up prompt, the progress bar, a run's row and a failed run's record."""
+args, the progress bar, a run's row and a failed run's record."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ from benchmarks.throughput import geometry_config, run_isolated
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
 from shadowkv_core.config import engine_fields
+from shadowkv_core.engine.warm_up import warm_up, warm_up_prompt
 from shadowkv_core.models.geometry import TINY, model_spec, write_config, write_geometry
 
 from . import hf
@@ -59,19 +60,6 @@ def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> Engin
 PREFIX_COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")
 
 
-def warm_up_prompt(max_model_len: int, vocab_size: int) -> list[int]:
-    """A warm-up request's prompt, that compiles the kernels: a quarter of the context (at most 8K tokens), long
-    enough to be kept in shadows."""
-    return [i % vocab_size for i in range(min(max_model_len // 4, 8192))]
-
-
-def warm_up(engine: LLMEngine) -> None:
-    engine.add_request("warm-up", warm_up_prompt(engine.max_model_len, engine.spec.vocab_size),
-                       SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def warm_up_on_scenario(engine: LLMEngine, args: argparse.Namespace, scenario: str) -> None:
     """The scenario once, untimed, drawn with another seed (no prompt of the timed run is cached by it), then the
     prefix cache cleared: every kernel the timed run launches is compiled and every batch shape it decodes captured
@@ -86,7 +74,7 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
     model, dummy = model_dir(args.model, app_args["max_model_len"])
     engine = LLMEngine(engine_config(app_args, model, dummy, method))
     try:
-        warm_up(engine)
+        warm_up_s = None if args.warm_up == "none" else warm_up(engine).seconds  # what a replica runs when it starts
         if args.warm_up == "scenario":
             warm_up_on_scenario(engine, args, scenario)
         workload = make_workload(scenario, args.seed, engine.spec.vocab_size, args.scale, args.count_scale)
@@ -104,7 +92,7 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,
                        prefill_step_tflop=engine.config.prefill_step_tflop,
                        prefill_step_ms=engine.config.prefill_step_ms, overlap_prefill=engine.streams is not None,
-                       warm_up=args.warm_up,
+                       warm_up=args.warm_up, warm_up_s=warm_up_s,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
                        unfinished=sum(r.error == UNFINISHED for r in records))
     finally:
@@ -112,7 +100,8 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
 
 
 def run_hf(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
-    """One scenario through Hugging Face transformers (hf.py), after the engines' warm-up request -> its row."""
+    """One scenario through Hugging Face transformers (hf.py), after a request of the engines' warm-up prompt -> its
+    row."""
     model, dummy = model_dir(args.model, app_args["max_model_len"])
     vocab_size = model_spec(model).vocab_size
     workload = make_workload(scenario, args.seed, vocab_size, args.scale, args.count_scale)

@@ -28,11 +28,12 @@ from benchmarks.load import require_loopback
 from serve_app.edge import EDGE_ENV
 from serve_app.engine_replica import ROUTING_STATS_PERIOD_S
 from serve_app.local import ray_session, serve_on_loopback
+from shadowkv_core.engine.warm_up import warm_up_prompt
 from shadowkv_core.models import load_tokenizer
 from shadowkv_core.models.geometry import model_spec
 
 from .online import OnlineRun
-from .runs import failure, method_args, model_dir, progress, run_row, warm_up_prompt
+from .runs import failure, method_args, model_dir, progress, run_row
 from .scenarios import make_workload
 
 APP = "workloads"
@@ -75,7 +76,7 @@ def service(url: str | None, app_args: dict) -> Iterator[str]:
 
 
 def warm_up(url: str, vocab_size: int) -> str:
-    """The served model's name, after a warm-up request (runs.warm_up_prompt) and the reports of its steps."""
+    """The served model's name, after a warm-up request (the engines' warm-up prompt) and the reports of its steps."""
     card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
     body = {"model": card["id"], "prompt": warm_up_prompt(card["max_model_len"], vocab_size), "max_tokens": 4,
             "ignore_eos": True}
