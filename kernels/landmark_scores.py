@@ -27,7 +27,10 @@ from kernels import MIN_HEAD_DIM
 from kernels.fp8 import e4m3_to, fp16_query, paired_e4m3
 
 
-@triton.jit
+# The chunk bucket (N_MAX) is what varies between compiles; so that a launch on placeholder inputs compiles the
+# variant the engine's batches use (ShadowKVCache.compile_buckets), the query, the chunk counts (a view at any
+# offset) and the page table's row stride leave the specialisation.
+@triton.jit(do_not_specialize=["stride_tb"], do_not_specialize_on_alignment=["q_ptr", "num_chunks_ptr"])
 def _logits_kernel(q_ptr, lm_ptr, lm_scales_ptr, table_ptr, num_chunks_ptr, flags_ptr, logits_ptr, part_m_ptr,
                    part_l_ptr, scale,
                    stride_qb, stride_lmp, stride_lmc, stride_sp, stride_sc, stride_fp, stride_fc, stride_tb,

@@ -1,6 +1,8 @@
-"""A replica's warm-up (shadowkv_core/engine/warm_up.py): it runs a whole prefill, a prefill sliced beside a decode
-and a prompt over a cached prefix, then leaves the engine as a fresh one is (every pool, the prefix cache empty) and
-a request after it gets the tokens it gets on a fresh engine; start_engine runs it when config.warm_up asks."""
+"""A replica's warm-up (shadowkv_core/engine/warm_up.py): it compiles the decode's landmark scoring and top-k for every
+chunk-count bucket, runs a whole prefill, a prefill sliced beside a decode and a prompt over a cached prefix, then
+leaves the engine as a fresh one is (every pool, the prefix cache empty) and a request after it gets the tokens it
+gets on a fresh engine; start_engine runs it when config.warm_up asks. On the GPU: a batch that reaches a longer
+bucket after it compiles nothing."""
 import dataclasses
 
 import pytest
@@ -8,7 +10,10 @@ import torch
 
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core.engine.tensor_parallel import start_engine
+from kernels.landmark_scores import _logits_kernel, _scores_kernel
+from kernels.topk import _topk_kernel
 from shadowkv_core.engine.warm_up import SUFFIX_TOKENS, warm_up, warm_up_prompt
+from shadowkv_core.shadowkv import fast_decode
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.tiny_model import build_tiny_model
 
@@ -97,3 +102,50 @@ def test_start_engine_warms_up_when_the_config_asks(tiny_path):
 def test_warm_up_option_is_checked(tiny_path, bad):
     with pytest.raises(ValueError, match="warm_up must be 'auto' or true or false"):
         config(tiny_path, None, warm_up=bad)
+
+
+def test_compile_buckets_scores_every_chunk_bucket_a_request_can_reach(tiny_path, monkeypatch):
+    """From half the chunks of the shortest sequence kept in shadows (min_context 32 / chunk 4 / 2 = 4) to those of
+    max_model_len (512 / 4 = 128), each power of two once, the top-k over the budget's chunks where they fit."""
+    launched = []
+
+    def scores(q, landmarks, table, num_chunks, flags, n_max, scale, landmark_scales=None):
+        launched.append(n_max)
+        return torch.full((1, landmarks.shape[2], n_max), float("-inf"))
+
+    def topk(scores, k):
+        launched[-1] = (launched[-1], k)
+        return torch.zeros(*scores.shape[:-1], k, dtype=torch.int64)
+
+    monkeypatch.setattr(fast_decode, "landmark_scores", scores)
+    monkeypatch.setattr(fast_decode, "topk_indices", topk)
+    engine = LLMEngine(config(tiny_path, SHADOW, use_kernels=True))
+    assert engine.compile_buckets() == 6
+    assert launched == [(4, 4), (8, 8), (16, 8), (32, 8), (64, 8), (128, 8)]  # budget: 32 / 4 = 8 chunks
+    monkeypatch.undo()
+    assert engine.compile_buckets() == 6  # the kernels themselves (in the interpreter), on the placeholders
+    engine.close()
+    assert LLMEngine(config(tiny_path, SHADOW)).compile_buckets() == 0  # the reference path on the CPU
+    assert LLMEngine(config(tiny_path, None, use_kernels=True)).compile_buckets() == 0  # dense: no chunk bucket
+
+
+@pytest.mark.gpu
+def test_a_longer_bucket_after_the_buckets_are_compiled_compiles_nothing_gpu(tiny_path):
+    """Prompts whose chunk counts fall in ever longer buckets, decoded one after another and together, launch the
+    variants compile_buckets compiled on placeholders: the kernels' specialisation is the engine's."""
+    engine = LLMEngine(EngineConfig(model=tiny_path, device="cuda", dtype="bfloat16", max_num_seqs=4,
+                                    max_model_len=4096, gpu_cache_gib=0.1, host_cache_gib=0.1, shadowkv=SHADOW))
+    assert engine.compile_buckets() == 9  # 4 .. 4096 / 4 = 1024 chunks
+    device = torch.cuda.current_device()
+    kernels = (_logits_kernel, _scores_kernel, _topk_kernel)
+    compiled = [len(k.device_caches[device][0]) for k in kernels]
+    gen = torch.Generator().manual_seed(7)
+    for i, n in enumerate((100, 700, 1500, 3000)):
+        engine.add_request(str(i), torch.randint(0, 256, (n,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=6 + 4 * i, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [len(k.device_caches[device][0]) for k in kernels] == compiled
+    engine.close()

@@ -197,6 +197,13 @@ class KVCache(abc.ABC):
         """Do a forward's host-side bookkeeping now, before its first layer (what its layers share: index tensors
         copied to the device once). Optional: attend does it on first use otherwise."""
 
+    def compile_buckets(self, max_model_len: int) -> int:
+        """Launch once, on placeholder inputs, each decode kernel whose compiled variant depends on a bucket of the
+        batch's context (a compile-time size), for every bucket that sequences of up to max_model_len tokens reach,
+        so that a batch that first reaches one does not wait for a compile (engine/warm_up.py). -> buckets launched.
+        Here: none."""
+        return 0
+
     def graph_inputs(self, meta: AttentionMetadata) -> tuple[Hashable, list[torch.Tensor]] | None:
         """For a prepared forward that a CUDA graph can replay (engine/cuda_graphs.py): (key, tensors). tensors: every
         per-forward device tensor its layers read or write (their contents change from step to step, their shapes

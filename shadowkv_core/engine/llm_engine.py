@@ -458,6 +458,11 @@ class LLMEngine:
         """Drop every cached prefix no running request holds (their blocks return to the pools); how many blocks."""
         return self.cache.manager.clear_prefix_cache()
 
+    @on_main_stream
+    def compile_buckets(self) -> int:
+        """Compile the decode kernels for every context bucket a request can reach (KVCache.compile_buckets)."""
+        return self.cache.compile_buckets(self.max_model_len)
+
     def check_health(self) -> None:
         """Raises when the engine can serve no more (tensor_parallel.py's can break); this one fails a request, never
         itself."""

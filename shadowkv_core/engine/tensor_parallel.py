@@ -25,7 +25,6 @@ from .warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
-_STATEFUL = ("add_request", "abort", "fork", "drain_in_flight", "clear_prefix_cache")  # calls every rank replays
 _STOP = "stop"
 _PACE = "pace"  # rank 0's SlicePacer scale: every rank's next step slices its prefill alike
 WORKER_JOIN_S = 10.0  # how long close() waits for a worker to leave before ending it
@@ -41,7 +40,7 @@ def start_engine(config: EngineConfig, timeout_s: float = COLLECTIVE_TIMEOUT_S) 
         except BaseException:
             engine.close()
             raise
-        logger.info("warm-up: %.1f s, %d steps", done.seconds, done.steps)
+        logger.info("warm-up: %.1f s, %d context buckets, %d steps", done.seconds, done.buckets, done.steps)
     return engine
 
 
@@ -96,6 +95,9 @@ class TensorParallelEngine:
 
     def clear_prefix_cache(self) -> int:
         return self._replayed("clear_prefix_cache")
+
+    def compile_buckets(self) -> int:
+        return self._replayed("compile_buckets")
 
     def step(self) -> list[RequestOutput]:
         if self.error is not None:

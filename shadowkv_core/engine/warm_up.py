@@ -6,8 +6,10 @@ otherwise pay for when they arrive (Triton compiles, cuDNN plans, CUDA graph cap
 3. the first prompt again with more tokens after it: with prefix caching on it adopts the first one's cached prefix
    and prefills only the rest, beside the other two (suffix prefill, the prefix's keys rebuilt, values fetched).
 
-The prefix cache is cleared after, so the replica starts with every pool as a fresh one has it. It works through the
-request API alone, so a tensor-parallel engine replays it on every rank."""
+Before them, the decode kernels whose compiled variant depends on a bucket of the context are launched once per bucket
+up to max_model_len (LLMEngine.compile_buckets): a batch that a longer sequence joins later does not stall on a
+compile. The prefix cache is cleared after, so the replica starts with every pool as a fresh one has it. It works
+through the engine's API alone, so a tensor-parallel engine replays it on every rank."""
 from __future__ import annotations
 
 import time
@@ -16,13 +18,14 @@ from dataclasses import dataclass
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 
-DECODE_TOKENS = 32  # the first prompt's tokens: decodes that the second prompt's slices run beside
+DECODE_TOKENS = 32  # tokens the first prompt decodes: the steps the second prompt's slices run beside
 SUFFIX_TOKENS = 64  # what the third prompt adds after the first
 
 
 @dataclass
 class WarmUp:
     seconds: float
+    buckets: int  # context buckets the decode kernels were compiled for
     steps: int
     second_prompt_steps: int  # from the second prompt's arrival to its first token: more than one when sliced
     cached_tokens: int  # the third prompt's tokens read from the first's cached prefix
@@ -39,6 +42,7 @@ def warm_up(engine) -> WarmUp:
     running), then clear its prefix cache. Raises if one of them fails: a replica that cannot serve them should not
     take traffic."""
     start, steps = time.perf_counter(), 0
+    buckets = engine.compile_buckets()
     vocab = engine.spec.vocab_size
     first = warm_up_prompt(engine.max_model_len, vocab)
     prompts = {"warm-up-1": warm_up_prompt(engine.max_model_len, vocab, first=1),
@@ -64,5 +68,5 @@ def warm_up(engine) -> WarmUp:
     while engine.has_unfinished_requests():
         step()
     engine.clear_prefix_cache()
-    return WarmUp(time.perf_counter() - start, steps, first_token["warm-up-1"] - arrived,
+    return WarmUp(time.perf_counter() - start, buckets, steps, first_token["warm-up-1"] - arrived,
                   last["warm-up-2"].num_cached_tokens)

@@ -10,6 +10,7 @@ generation is bounded only by the pages allocated up front.
 from __future__ import annotations
 
 import torch
+import triton
 
 from shadowkv_core.attention import chunk_attention
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec, KVCache
@@ -18,7 +19,8 @@ from shadowkv_core.memory_model import Pools
 from shadowkv_core.numa import NumaPlacement
 from shadowkv_core.shadowkv.counters import StepCounts
 from shadowkv_core.shadowkv.decode import decode_layer
-from shadowkv_core.shadowkv.fast_decode import begin_decode_layer, end_decode_layer, fetch_shape
+from shadowkv_core.shadowkv.fast_decode import (begin_decode_layer, end_decode_layer, fetch_shape,
+                                                landmark_top_chunks)
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.manager import SequenceState, ShadowKVManager
 from shadowkv_core.shadowkv.pages import GpuPages
@@ -159,6 +161,24 @@ class ShadowKVCache(KVCache):
     def prepare_forward(self, meta: AttentionMetadata) -> None:
         if self._decodes_fast(meta):
             self._plan(meta)
+
+    def compile_buckets(self, max_model_len: int) -> int:
+        """Landmark scoring and top-k take the batch's chunk count, rounded up to a power of two (DecodePlan.n_max),
+        as a compile-time size: both run for every such bucket from the shortest sequence kept in shadows to the
+        longest of max_model_len tokens, on layer 0's pages with no chunk of any sequence (every score -inf)."""
+        if not self.spec.kernels or self.chunk_scorer is not None:  # a policy scores on the host
+            return 0
+        C, pc = self.config.chunk_size, self.config.page_chunks
+        shortest = triton.next_power_of_2(max(self.config.min_context // C // 2, 1))
+        longest = triton.next_power_of_2(triton.cdiv(max_model_len, C))
+        q = torch.zeros(1, self.spec.num_q_heads, self.spec.head_dim, dtype=self.spec.dtype, device=self.device)
+        num_chunks = torch.zeros(1, dtype=torch.int32, device=self.device)
+        buckets = [1 << i for i in range(shortest.bit_length() - 1, longest.bit_length())]
+        for n_max in buckets:
+            table = torch.zeros(1, triton.next_power_of_2(triton.cdiv(n_max, pc)), dtype=torch.int32,
+                                device=self.device)
+            landmark_top_chunks(self, 0, q, table, num_chunks, n_max, min(self.config.budget_chunks, n_max))
+        return len(buckets)
 
     def graph_inputs(self, meta: AttentionMetadata):
         if not self._decodes_fast(meta) or self.chunk_scorer is not None:  # a policy scores on the host each step

@@ -85,10 +85,16 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
     score as reference.select_chunks."""
     if cache.chunk_scorer is not None:
         return topk_indices(policy_scores(cache, layer, plan, q), plan.k_max)
-    scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), cache.gpu.landmarks[layer], plan.gpu_table,
-                             plan.num_chunks, cache.gpu.outlier_flags[layer], plan.n_max, cache.spec.scale,
+    return landmark_top_chunks(cache, layer, q, plan.gpu_table, plan.num_chunks, plan.n_max, plan.k_max)
+
+
+def landmark_top_chunks(cache, layer: int, q: torch.Tensor, gpu_table: torch.Tensor, num_chunks: torch.Tensor,
+                        n_max: int, k: int) -> torch.Tensor:
+    """The k chunks of each sequence and KV head whose landmarks score highest against q -> (B, Hkv, k)."""
+    scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), cache.gpu.landmarks[layer], gpu_table,
+                             num_chunks, cache.gpu.outlier_flags[layer], n_max, cache.spec.scale,
                              landmark_scales=cache.gpu.landmark_scales_of(layer))
-    return topk_indices(scores, plan.k_max)
+    return topk_indices(scores, k)
 
 
 def policy_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:

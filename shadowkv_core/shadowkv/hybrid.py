@@ -156,6 +156,9 @@ class HybridCache(KVCache):
         for cache, sub, _ in self._sides(self._split(meta)):
             cache.prepare_forward(sub)
 
+    def compile_buckets(self, max_model_len: int) -> int:
+        return self.shadow.compile_buckets(max_model_len)
+
     def graph_inputs(self, meta: AttentionMetadata):
         split = self._split(meta)
         key, tensors = [], []
