@@ -14,7 +14,7 @@ from serve_app.engine_replica import engine_footprint
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
 from shadowkv_core.engine.cache_factory import build_cache
-from shadowkv_core.engine.tensor_parallel import TensorParallelEngine
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine, start_engine
 from shadowkv_core.models import load_model
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.parallel import TensorParallel, init_tensor_parallel, rank_shadowkv, rank_spec
@@ -214,6 +214,27 @@ def test_ranks_of_a_paced_engine_slice_alike_and_give_one_ranks_tokens(tiny_path
     assert engine.error is None and max(scales) > 10  # rank 0's budget grew: the worker took it
     got = {o.request_id: o.token_ids for o in outs if o.finished}
     assert [got["d"], got["p"]] == want
+
+
+def test_two_ranks_warm_up_alike_and_then_give_one_ranks_tokens(tiny_path):
+    """start_engine's warm-up goes through the request API (and the bucket compile through a replayed call): every
+    rank runs it, their collectives stay in step, and what the replica serves after it is TP=1's."""
+    prompts = [p.tolist() for p in _prompts()]
+    want = [o.token_ids for o in LLM(model=tiny_path, shadowkv=FULL_SHADOW, **ENGINE).generate(prompts, GREEDY)]
+    engine = start_engine(EngineConfig(model=tiny_path, shadowkv=FULL_SHADOW, tensor_parallel_size=2, warm_up=True,
+                                       **ENGINE), timeout_s=20)
+    try:
+        assert engine.stats()["prefix_query_tokens"] > 0  # the warm-up ran
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, GREEDY)
+        outs = []
+        while engine.requests:
+            outs += engine.step()
+    finally:
+        engine.close()
+    assert engine.error is None
+    got = {o.request_id: o.token_ids for o in outs if o.finished}
+    assert [got[str(i)] for i in range(len(prompts))] == want
 
 
 def test_a_rank_that_dies_fails_its_requests(tiny_path):
