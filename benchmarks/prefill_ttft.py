@@ -67,8 +67,15 @@ def run_engine(run: dict, method: str, attention: str) -> dict:
     try:
         warm_up(engine, context)
         prompt = random_prompt(g.vocab_size, context)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         row = {"context": context, "method": method, "attention": attention,
                "ttft_s": prefill(engine, prompt, 2, device)}
+        if device == "cuda":  # the memory model's whole GPU need (CUDA context included) beside torch's peak
+            fixed = mm.fixed_gpu_bytes(g, cfg, context, engine.config.prefill_chunk_tokens)
+            row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / mm.GIB,
+                       peak_reserved_gib=torch.cuda.max_memory_reserved() / mm.GIB,
+                       predicted_gib=fixed / mm.GIB + engine.config.gpu_cache_gib)
         while engine.has_unfinished_requests():
             engine.step()
         if context in args.profile_contexts and device == "cuda":
