@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.workloads.offline import EngineTrace, OfflineRun, StepRecord
 from benchmarks.workloads.scenarios import Conversation, Turn
+from shadowkv_core import EngineConfig
 from support.cli import run_module
 from support.workloads import METHODS, SCENARIOS, SMALL, check_run, dump
 
@@ -126,6 +127,18 @@ def test_max_num_seqs_overrides_the_config(tmp_path):
     busiest = max(sum(first <= t < last for first, last in spans) for t, _ in spans)
     assert row["max_num_seqs"] == 2 and busiest == 2 and len(spans) > 2
     assert (row["prefill_step_tflop"], row["prefill_step_ms"]) == (0.5, 25)
+
+
+def test_prefill_step_none_prefills_whole_prompts(tmp_path):
+    """--prefill-step-tflop none: the engine runs without a step budget (each prompt prefilled whole), where the
+    config's engine left to itself has one."""
+    out = tmp_path / "whole.json"
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
+               "--events", "--scenarios", "doc_qa", "--methods", "dense", "--no-isolate", "--warm-up", "none",
+               "--prefill-step-tflop", "none", "--out", str(out), timeout_s=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    check_run([row], [("doc_qa", "dense")])
+    assert row["prefill_step_tflop"] is None and EngineConfig(model="x").prefill_step_tflop is not None
 
 
 def test_hugging_face_serves_the_workload(tmp_path):

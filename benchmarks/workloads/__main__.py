@@ -50,10 +50,10 @@ def resummarize(path: str, ttft_bound_s: float | None, itl_bound_ms: float | Non
     return rows
 
 
-_AS_CONFIGURED = object()  # --prefill-step-ms left out: the config's own value (not a string: argparse parses those)
+_AS_CONFIGURED = object()  # an override left out: the config's own value (not a string: argparse parses those)
 
 
-def _ms_or_none(text: str) -> float | None:
+def _number_or_none(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
@@ -69,9 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
-    parser.add_argument("--prefill-step-tflop", type=float, default=None,
-                        help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step")
-    parser.add_argument("--prefill-step-ms", type=_ms_or_none, default=_AS_CONFIGURED,
+    parser.add_argument("--prefill-step-tflop", type=_number_or_none, default=_AS_CONFIGURED,
+                        help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step; "
+                        "none: each prompt prefilled whole in one step (throughput before inter-token latency)")
+    parser.add_argument("--prefill-step-ms", type=_number_or_none, default=_AS_CONFIGURED,
                         help="override the config's engine.prefill_step_ms, the step time a paced prefill budget aims "
                         "at; none: a fixed budget")
     parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.max_num_seqs is not None:
         app_args = {**app_args, "max_num_seqs": args.max_num_seqs}
     overrides = {key: value for key, value in (("enable_prefix_caching", args.prefix_caching),
-                                               ("prefill_step_tflop", args.prefill_step_tflop),
                                                ("overlap_prefill", args.overlap_prefill)) if value is not None}
-    if args.prefill_step_ms is not _AS_CONFIGURED:
-        overrides["prefill_step_ms"] = args.prefill_step_ms
+    overrides.update({key: value for key, value in (("prefill_step_tflop", args.prefill_step_tflop),
+                                                    ("prefill_step_ms", args.prefill_step_ms))
+                      if value is not _AS_CONFIGURED})
     app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size
