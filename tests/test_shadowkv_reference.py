@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from shadowkv_core.attention import attention_ref
-from shadowkv_core.shadowkv.reference import (assign_slots, chunk_landmarks, factorize_keys, find_outlier_chunks,
+from shadowkv_core.shadowkv.reference import (_gram, assign_slots, chunk_landmarks, factorize_keys, find_outlier_chunks,
                                               gather_values, landmark_scores, meet_landmarks, paged_rows,
                                               project_keys,
                                               rebuild_keys, scoring_query, select_chunks,
@@ -274,6 +274,37 @@ def test_factorize_by_subspace_iteration_is_near_the_best_rank_r(rank, kv_heads,
     basis = sv.transpose(0, 1).reshape(rank, -1)  # (r, Hkv*d)
     torch.testing.assert_close(basis @ basis.T, torch.eye(rank), atol=1e-5, rtol=0)
     torch.testing.assert_close(project_keys(k_pre, sv), u, atol=1e-4, rtol=1e-4)
+
+
+def test_factorize_keys_of_lower_rank_than_asked():
+    """Keys of rank 20 (a k_proj of rank 20, as the shipped model's) factorised at rank 160: the iterations on a
+    rank-deficient Gram matrix stay finite, the basis is still orthonormal (room for later tokens' other directions)
+    and the keys rebuild exactly."""
+    g = torch.Generator().manual_seed(3)
+    k_pre = (torch.randn(2000, 20, generator=g) @ torch.randn(20, 8 * 128, generator=g)).reshape(2000, 8, 128)
+    u, sv = factorize_keys(k_pre, 160)
+    basis = sv.transpose(0, 1).reshape(160, -1)
+    assert torch.isfinite(u).all() and torch.isfinite(sv).all()
+    torch.testing.assert_close(basis @ basis.T, torch.eye(160), atol=1e-5, rtol=0)
+    assert _tail(k_pre, u, sv) < 1e-9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_factorize_half_precision_keys_on_cuda(dtype):
+    """On CUDA, the keys' Gram matrix (bf16: their own tensor-core product with fp32 sums; fp16: from their fp32
+    copy) is within fp32's rounding of the fp64 one, and the factorisation as near the best rank-r as on the CPU."""
+    k_pre = _decaying_keys(3000, 8, 128, seed=5).to(dtype)
+    k_cat = k_pre.reshape(3000, -1).double()
+    gram = _gram(k_pre.reshape(3000, -1).cuda(), k_pre.reshape(3000, -1).cuda().float())
+    assert gram.dtype == torch.float32
+    torch.testing.assert_close(gram.double().cpu(), k_cat.T @ k_cat, atol=1e-5 * k_cat.square().sum(0).max().item(),
+                               rtol=0)
+    exact = factorize_keys(k_pre.float(), 160, iters=None)
+    u, sv = factorize_keys(k_pre.cuda(), 160)
+    assert _tail(k_pre.float(), u.cpu(), sv.cpu()) <= 1.005 * _tail(k_pre.float(), *exact)
+    basis = sv.transpose(0, 1).reshape(160, -1)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(160, device="cuda"), atol=1e-5, rtol=0)
 
 
 def test_factorize_by_default_never_calls_eigh(monkeypatch):

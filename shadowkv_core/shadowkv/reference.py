@@ -27,9 +27,10 @@ def factorize_keys(k_pre: torch.Tensor, rank: int,
     the device), or exactly by eigh with iters None. U = K_cat V_r. At r = Hkv*d the basis is the whole space and
     the rebuild exact."""
     S, Hkv, d = k_pre.shape
-    k_cat = k_pre.reshape(S, Hkv * d).float()  # (S, Hkv*d)
+    k_flat = k_pre.reshape(S, Hkv * d)
+    k_cat = k_flat.float()  # (S, Hkv*d)
     exact = iters is None or rank >= Hkv * d
-    v_r = top_subspace((k_cat.T @ k_cat)[None], rank, None if exact else iters, oversample=0)[0]  # (Hkv*d, r)
+    v_r = top_subspace(_gram(k_flat, k_cat)[None], rank, None if exact else iters, oversample=0)[0]  # (Hkv*d, r)
     u = k_cat @ v_r  # (S, r)
     sv = v_r.T.reshape(rank, Hkv, d).transpose(0, 1).contiguous()  # (Hkv, r, d)
     return u, sv
@@ -62,6 +63,14 @@ def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversa
 def _random_start(width: int, columns: int, device: torch.device) -> torch.Tensor:
     """A fixed random (width, columns) fp64 matrix, made once per device (no host-to-device copy per step)."""
     return torch.randn(width, columns, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
+
+
+def _gram(k: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
+    """kᵀk in fp32 for k (S, W) and its fp32 copy k32: bf16 keys on CUDA by a tensor-core product of their own with
+    fp32 output (each product exact in fp32, the sums in fp32), else from k32."""
+    if k.is_cuda and k.dtype == torch.bfloat16:
+        return torch.mm(k.T, k, out_dtype=torch.float32)
+    return k32.T @ k32
 
 
 def _orthonormal(y: torch.Tensor) -> torch.Tensor:
