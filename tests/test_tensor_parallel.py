@@ -216,15 +216,17 @@ def test_ranks_of_a_paced_engine_slice_alike_and_give_one_ranks_tokens(tiny_path
     assert [got["d"], got["p"]] == want
 
 
-def test_two_ranks_warm_up_alike_and_then_give_one_ranks_tokens(tiny_path):
+def test_two_ranks_warm_up_alike_and_then_give_one_ranks_tokens(tiny_path, caplog):
     """start_engine's warm-up goes through the request API (and the bucket compile through a replayed call): every
     rank runs it, their collectives stay in step, and what the replica serves after it is TP=1's."""
     prompts = [p.tolist() for p in _prompts()]
     want = [o.token_ids for o in LLM(model=tiny_path, shadowkv=FULL_SHADOW, **ENGINE).generate(prompts, GREEDY)]
-    engine = start_engine(EngineConfig(model=tiny_path, shadowkv=FULL_SHADOW, tensor_parallel_size=2, warm_up=True,
-                                       **ENGINE), timeout_s=20)
+    with caplog.at_level("INFO", logger="shadowkv_core.engine.tensor_parallel"):
+        engine = start_engine(EngineConfig(model=tiny_path, shadowkv=FULL_SHADOW, tensor_parallel_size=2,
+                                           warm_up=True, **ENGINE), timeout_s=20)
     try:
-        assert engine.stats()["prefix_query_tokens"] > 0  # the warm-up ran
+        assert any(r.getMessage().startswith("warm-up:") for r in caplog.records)  # it ran
+        assert engine.stats()["prefix_query_tokens"] == 0  # and its requests are not counted
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, GREEDY)
         outs = []

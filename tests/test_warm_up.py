@@ -1,25 +1,25 @@
 """A replica's warm-up (shadowkv_core/engine/warm_up.py): it compiles the decode's landmark scoring and top-k for every
 chunk-count bucket, runs a whole prefill, a prefill sliced beside a decode and a prompt over a cached prefix, then
-leaves the engine as a fresh one is (every pool, the prefix cache empty) and a request after it gets the tokens it
-gets on a fresh engine; start_engine runs it when config.warm_up asks. On the GPU: a batch that reaches a longer
-bucket after it compiles nothing."""
+leaves the engine as a fresh one is (every pool, the prefix cache empty, every counter at zero) and a request after it
+gets the tokens it gets on a fresh engine; start_engine runs it when config.warm_up asks. On the GPU: a batch that
+reaches a longer bucket after it compiles nothing."""
 import dataclasses
 
 import pytest
 import torch
 
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
+from shadowkv_core.cache.base import COUNTERS
 from shadowkv_core.engine.tensor_parallel import start_engine
 from kernels.landmark_scores import _logits_kernel, _scores_kernel
 from kernels.topk import _topk_kernel
-from shadowkv_core.engine.warm_up import SUFFIX_TOKENS, warm_up, warm_up_prompt
+from shadowkv_core.engine.warm_up import warm_up, warm_up_prompt
 from shadowkv_core.shadowkv import fast_decode
 from shadowkv_core.models.prefill_cost import PrefillBudget
 from shadowkv_core.tiny_model import build_tiny_model
 
 SHADOW = ShadowKVConfig(rank=16, chunk_size=4, sparse_budget=32, outlier_chunks=2, local_chunks=2, min_context=32,
                         decode_window=16)
-COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")  # cumulative: the warm-up's count
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,10 @@ def pools(engine):
     return {k: v for k, v in engine.cache.manager.usage().items() if k not in COUNTERS}
 
 
+def counters(engine):
+    return {k: v for k, v in engine.stats().items() if k in COUNTERS}
+
+
 def greedy_tokens(engine, prompt):
     engine.add_request("after", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     out = []
@@ -64,7 +68,7 @@ def test_warm_up_runs_each_path_and_leaves_the_engine_as_a_fresh_one(tiny_path, 
     assert done.steps > done.second_prompt_steps
     assert not engine.has_unfinished_requests() and not engine.requests
     assert pools(engine) == before
-    assert engine.stats()["prefix_hit_tokens"] == done.cached_tokens
+    assert counters(engine) == {k: 0 for k in counters(engine)} and "prefix_hit_tokens" in counters(engine)
     engine.close()
 
 
@@ -79,23 +83,40 @@ def test_a_request_after_the_warm_up_gets_the_tokens_of_a_fresh_engine(tiny_path
     fresh.close()
     warmed = sliced(LLMEngine(config(tiny_path, shadowkv)))
     warm_up(warmed)
-    hits = warmed.stats()["prefix_hit_tokens"]
     assert greedy_tokens(warmed, prompt) == expected
-    assert warmed.stats()["prefix_hit_tokens"] == hits  # nothing of the warm-up was left cached
+    assert warmed.stats()["prefix_query_tokens"] == len(prompt)  # the counters count the request, not the warm-up
+    assert warmed.stats()["prefix_hit_tokens"] == 0  # nothing of the warm-up was left cached
     warmed.close()
 
 
-def test_start_engine_warms_up_when_the_config_asks(tiny_path):
-    """auto: on CUDA only; true runs it on the CPU too (its third prompt then reads a cached prefix)."""
-    counts = {}
+def test_start_engine_warms_up_when_the_config_asks(tiny_path, caplog):
+    """auto: on CUDA only; true runs it on the CPU too (and logs it); the counters start at zero either way."""
+    ran = {}
     for option in (True, False, "auto"):
-        engine = start_engine(config(tiny_path, SHADOW, warm_up=option))
-        counts[option] = engine.stats()["prefix_query_tokens"]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="shadowkv_core.engine.tensor_parallel"):
+            engine = start_engine(config(tiny_path, SHADOW, warm_up=option))
+        ran[option] = any(r.getMessage().startswith("warm-up:") for r in caplog.records)
+        assert set(counters(engine).values()) == {0}
         engine.close()
+    assert ran == {True: True, False: False, "auto": torch.cuda.is_available()}
+
+
+def test_reset_counters_counts_what_follows(tiny_path):
+    """After a reset the counters hold only the requests after it: a prompt over a cached prefix counts its lookup
+    and its hits, not the request that cached them."""
+    engine = LLMEngine(config(tiny_path, SHADOW))
     first = warm_up_prompt(512, 256)
-    assert counts[True] >= 3 * len(first) + SUFFIX_TOKENS
-    assert counts[False] == 0
-    assert counts["auto"] == (counts[True] if torch.cuda.is_available() else 0)
+    greedy_tokens(engine, first)
+    assert engine.stats()["prefix_query_tokens"] == len(first)
+    engine.reset_counters()
+    greedy_tokens(engine, first + [1, 2, 3])
+    stats = engine.stats()
+    assert stats["prefix_query_tokens"] == len(first) + 3 and 0 < stats["prefix_hit_tokens"] <= len(first)
+    assert stats["chunks_selected_total"] > 0
+    engine.reset_counters()
+    assert set(counters(engine).values()) == {0}
+    engine.close()
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])

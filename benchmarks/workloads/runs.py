@@ -57,16 +57,15 @@ def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> Engin
     return EngineConfig(**engine_fields(method_args(app_args, model, dummy, method), model))
 
 
-PREFIX_COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions")
-
-
 def warm_up_on_scenario(engine: LLMEngine, args: argparse.Namespace, scenario: str) -> None:
     """The scenario once, untimed, drawn with another seed (no prompt of the timed run is cached by it), then the
-    prefix cache cleared: every kernel the timed run launches is compiled and every batch shape it decodes captured
-    before it starts, as on a replica that has served for a while."""
+    prefix cache cleared and the counters reset, as the engine's warm-up leaves them: every kernel the timed run
+    launches is compiled and every batch shape it decodes captured before it starts, as on a replica that has served
+    for a while."""
     workload = make_workload(scenario, args.seed + 1, engine.spec.vocab_size, args.scale, args.count_scale)
     OfflineRun(engine, workload, progress(f"{scenario} warm-up", workload), args.time_limit_s).run()
     engine.clear_prefix_cache()
+    engine.reset_counters()
 
 
 def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
@@ -81,12 +80,10 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         bar = progress(f"{scenario} {method}", workload)
-        before = engine.stats()
         records, trace, wall = OfflineRun(engine, workload, bar, args.time_limit_s).run()
         shadowkv = None if engine.shadowkv is None else vars(engine.shadowkv)
-        # the timed run's own counts; prefix_cached_bytes is a level, as the run leaves it
-        prefix = {k: v - before[k] if k in PREFIX_COUNTERS else v for k, v in engine.stats().items()
-                  if k.startswith("prefix_")}
+        # the timed run's own counts (every warm-up resets them); prefix_cached_bytes is a level, as the run leaves it
+        prefix = {k: v for k, v in engine.stats().items() if k.startswith("prefix_")}
         steps = trace.summary(wall, SCENARIOS[scenario].itl_bound_ms)
         return run_row(scenario, method, "offline", records, wall, args.events, **steps, **prefix,
                        prefix_caching=engine.config.enable_prefix_caching, max_num_seqs=engine.config.max_num_seqs,

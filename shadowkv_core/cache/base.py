@@ -19,6 +19,9 @@ from kernels import MIN_HEAD_DIM
 
 from ..config import AUTO, choose
 
+# the stats that only grow (KVCache.stats: prefix cache lookups, hits and evictions, the shadow's chunk counts)
+COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions", "chunks_selected_total",
+            "chunk_hits_total", "chunks_fetched_total", "bytes_fetched_total")
 
 @dataclass(frozen=True)
 class CacheSpec:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.base import COUNTERS
 from ..config import EngineConfig, ShadowKVConfig, choose
 from ..models import load_model, load_tokenizer
 from ..parallel import TensorParallel, rank_device, rank_shadowkv
@@ -94,6 +95,7 @@ class LLMEngine:
         self.pacer = SlicePacer()  # the prefill FLOPs a step runs beside its decode
         self._slices_queued: torch.cuda.Event | None = None  # after the last step's prefill slices (_queued_mark)
         self._seq_ids = itertools.count()
+        self._counted: dict[str, float] = {}  # the counters' values at the last reset_counters
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         # Seconds per prompt token of the fastest recent prefill run with nothing decoding beside it (next_finish_s)
         self._prefill_s_per_token: float | None = None
@@ -478,6 +480,17 @@ class LLMEngine:
         self.cache.close()
 
     def stats(self) -> dict[str, float]:
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                **self.cache.stats()}
+        stats = {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                 **self.cache.stats()}
+        for key, before in self._counted.items():
+            stats[key] -= before
+        return stats
+
+    def reset_counters(self) -> None:
+        """The counters among stats() (cache.base.COUNTERS) count from zero again: a replica's warm-up leaves none of
+        its synthetic requests in what it reports. Waits for the device, whose last decode steps' counts it takes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats = self.cache.stats()
+        self._counted = {key: stats[key] for key in COUNTERS if key in stats}
 

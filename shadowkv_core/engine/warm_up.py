@@ -8,8 +8,9 @@ otherwise pay for when they arrive (Triton compiles, cuDNN plans, CUDA graph cap
 
 Before them, the decode kernels whose compiled variant depends on a bucket of the context are launched once per bucket
 up to max_model_len (LLMEngine.compile_buckets): a batch that a longer sequence joins later does not stall on a
-compile. The prefix cache is cleared after, so the replica starts with every pool as a fresh one has it. It works
-through the engine's API alone, so a tensor-parallel engine replays it on every rank."""
+compile. The prefix cache is cleared after and the engine's counters reset, so the replica starts with every pool as a
+fresh one has it and reports none of these requests. It works through the engine's API alone, so a tensor-parallel
+engine replays it on every rank."""
 from __future__ import annotations
 
 import time
@@ -39,8 +40,8 @@ def warm_up_prompt(max_model_len: int, vocab_size: int, first: int = 0) -> list[
 
 def warm_up(engine) -> WarmUp:
     """Run the three requests above to their end on `engine` (an LLMEngine or a TensorParallelEngine with nothing
-    running), then clear its prefix cache. Raises if one of them fails: a replica that cannot serve them should not
-    take traffic."""
+    running), then clear its prefix cache and reset its counters. Raises if one of them fails: a replica that cannot
+    serve them should not take traffic."""
     start, steps = time.perf_counter(), 0
     buckets = engine.compile_buckets()
     vocab = engine.spec.vocab_size
@@ -68,5 +69,6 @@ def warm_up(engine) -> WarmUp:
     while engine.has_unfinished_requests():
         step()
     engine.clear_prefix_cache()
+    engine.reset_counters()
     return WarmUp(time.perf_counter() - start, buckets, steps, first_token["warm-up-1"] - arrived,
                   last["warm-up-2"].num_cached_tokens)
