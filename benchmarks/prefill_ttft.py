@@ -4,8 +4,10 @@ Face transformers with SDPA (its default attention; flash-attn is not installed)
 
 Each row: the prompt's FLOPs (the linear layers at 2 per weight per token, causal attention at 4 per query-key pair
 per head dim, the logits of one token), the achieved TFLOP/s and its share of `--ceiling-tflops` (the bf16 matrix
-rate the device sustains); with `--profile-contexts`, one more prefill under torch.profiler gives the device time by
-group (attention kernels, matrix multiplies by projection, the rest). Each configuration runs in a fresh process on
+rate the device sustains); on CUDA, torch's peak memory over the prefill beside the memory model's prediction for the
+engine (peak_allocated_gib, peak_reserved_gib, predicted_gib: weights, prefill workspace, decode logits, CUDA context
+and pools); with `--profile-contexts`, one more prefill under torch.profiler gives the device time by group
+(attention kernels, matrix multiplies by projection, the rest). Each configuration runs in a fresh process on
 CUDA, the prefix cache off (every prefill cold), after a warm-up prompt.
 
     PYTHONPATH=. python -m benchmarks.prefill_ttft [--contexts 32768 122880] [--methods dense shadowkv_fp8lm hf]

@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
     parser.add_argument("--prefill-step-tflop", type=_number_or_none, default=_AS_CONFIGURED,
-                        help="override the config's engine.prefill_step_tflop, the prefill work beside each decode step; "
-                        "none: each prompt prefilled whole in one step (throughput before inter-token latency)")
+                        help="override the config's engine.prefill_step_tflop, the prefill work beside each decode "
+                        "step; none: each prompt prefilled whole in one step (throughput before inter-token latency)")
     parser.add_argument("--prefill-step-ms", type=_number_or_none, default=_AS_CONFIGURED,
                         help="override the config's engine.prefill_step_ms, the step time a paced prefill budget aims "
                         "at; none: a fixed budget")
