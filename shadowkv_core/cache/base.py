@@ -23,6 +23,7 @@ from ..config import AUTO, choose
 COUNTERS = ("prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions", "chunks_selected_total",
             "chunk_hits_total", "chunks_fetched_total", "bytes_fetched_total")
 
+
 @dataclass(frozen=True)
 class CacheSpec:
     """What a cache is built for: the model's attention geometry, in one dtype on one device. prefill_chunk_tokens:
