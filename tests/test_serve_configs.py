@@ -1,6 +1,7 @@
 """configs/*.yaml and the application builder, without starting Ray: the files are valid Serve configs, their args
 build the application, prod autoscales on GPUs with the memory-demand policy, local serves the shipped small model
 whatever the working directory, and no config serves random weights."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from serve_app import app as app_module
 from serve_app.app import AppArgs, build_app, replica_options, resolve_model, weights_source
 from serve_app.autoscaling import memory_demand_policy
 from serve_app.router import MemoryAwareRouter
+from shadowkv_core import memory_model as mm
+from shadowkv_core.config import shadowkv_from
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL_MODEL = CONFIGS.parent / "models" / "shadowkv-small"
@@ -31,7 +34,14 @@ def _deployments(raw_args: dict) -> dict:
     return {d.name: d for d in built.deployments}
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml", "prod-70b.yaml"])
+SHIPPED = sorted(path.name for path in CONFIGS.glob("*.yaml"))
+
+
+def test_every_shipped_config_is_tested():
+    assert SHIPPED == ["local.yaml", "prod-1m.yaml", "prod-70b.yaml", "prod.yaml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_config_is_a_valid_serve_config_with_valid_args(name):
     schema = ServeDeploySchema.model_validate(_config(name))
     assert schema.applications[0].import_path == "serve_app.app:build_app"
@@ -79,7 +89,21 @@ def test_prod_70b_asks_each_replica_for_its_tensor_parallel_gpus():
     assert engine.init_args[0]["tensor_parallel_size"] == args.tensor_parallel_size  # the engine's EngineConfig
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml", "prod-70b.yaml"])
+def test_prod_1m_holds_a_million_token_request_on_one_h200():
+    """By the memory model that sizes and admits a replica (the config's ShadowKV fields and max_model_len; an
+    8B Llama's shapes), one GPU of 139 GiB at its gpu_memory_utilization and 100 GiB of host memory hold a request of
+    max_model_len tokens, prompt and answer, where dense attention holds none (every value on the host: a device
+    value share only adds room)."""
+    args = AppArgs(**_args("prod-1m.yaml"))
+    g = mm.PRESETS["llama-3.1-8b"]
+    cfg = dataclasses.replace(shadowkv_from(args.shadowkv), device_value_share=0.0)
+    gpu, host = int(139 * mm.GIB * args.engine["gpu_memory_utilization"]), 100 * mm.GIB
+    prompt = [args.max_model_len - args.default_max_tokens]
+    assert mm.capacity(g, cfg, gpu, host, prompt, args.default_max_tokens) >= 1
+    assert mm.capacity(g, None, gpu, host, prompt, args.default_max_tokens) == 0
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_no_shipped_config_serves_random_weights(name):
     args = AppArgs(**_args(name))
     assert args.engine.get("load_format", "auto") != "dummy"
