@@ -196,8 +196,8 @@ class EngineConfig:
         and the decode's blocks go first where both are ready; the same tokens. auto: on CUDA with
         tensor_parallel_size 1 (a rank's two streams would issue their collectives side by side).
     warm_up: when a replica's engine starts (start_engine), run synthetic requests through every path its first
-        requests would otherwise compile and capture on arrival (engine/warm_up.py), then clear the prefix cache.
-        auto: on CUDA (on the CPU nothing compiles).
+        requests would otherwise compile and capture on arrival (engine/warm_up.py), then clear the prefix cache and
+        reset the counters. auto: on CUDA (on the CPU nothing compiles).
     """
 
     model: str
