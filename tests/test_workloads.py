@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import yaml
 
 from benchmarks.workloads.offline import EngineTrace, OfflineRun, StepRecord
 from benchmarks.workloads.scenarios import Conversation, Turn
 from shadowkv_core import EngineConfig
-from support.cli import run_module
+from support.cli import ROOT, run_module
 from support.workloads import METHODS, SCENARIOS, SMALL, check_run, dump
 
 K = 1024
@@ -139,6 +140,27 @@ def test_prefill_step_none_prefills_whole_prompts(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     check_run([row], [("doc_qa", "dense")])
     assert row["prefill_step_tflop"] is None and EngineConfig(model="x").prefill_step_tflop is not None
+
+
+def test_shadowkv_set_changes_the_configs_shadowkv_fields(tmp_path):
+    """--shadowkv-set FIELD=VALUE: the shadowkv engine runs with those fields changed and the config's others kept;
+    an unknown field or a refused value stops the command before any engine starts."""
+    out = tmp_path / "fp8.json"
+    run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
+               "--events", "--scenarios", "doc_qa", "--methods", "shadowkv", "--no-isolate", "--warm-up",
+               "none", "--shadowkv-set", "value_format=fp8", "sparse_budget=64", "--out", str(out), timeout_s=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    check_run([row], [("doc_qa", "shadowkv")])
+    configured = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["applications"][0]["args"]["shadowkv"]
+    assert configured.get("value_format", "model") == "model" and configured["sparse_budget"] != 64
+    assert (row["shadowkv"]["value_format"], row["shadowkv"]["sparse_budget"]) == ("fp8", 64)
+    assert row["shadowkv"]["rank"] == configured["rank"]
+    for setting, message in (("ranks=20", "FIELD one of"), ("value_format=fp4", "value_format must be one of")):
+        done = run_module("benchmarks.workloads", "--config", "configs/local.yaml", "--model", "tiny", *SMALL,
+                          "--scenarios", "doc_qa", "--methods", "shadowkv", "--shadowkv-set", setting,
+                          "--out", str(tmp_path / "refused.json"), timeout_s=120, check=False)
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "refused.json").exists()
 
 
 def test_hugging_face_serves_the_workload(tmp_path):

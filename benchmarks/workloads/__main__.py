@@ -24,6 +24,7 @@ import yaml
 
 from benchmarks.report import print_table, write_json
 from shadowkv_core import memory_model as mm
+from shadowkv_core.config import shadowkv_from
 from shadowkv_core.models.geometry import model_spec
 
 from .metrics import RequestRecord, summarize
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the config's engine.overlap_prefill (prefill slices on a stream of their own)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="override the config's max_num_seqs, the sequences an engine runs at once")
+    parser.add_argument("--shadowkv-set", nargs="+", default=None, metavar="FIELD=VALUE",
+                        help="override fields of the config's shadowkv (ShadowKVConfig), e.g. value_format=fp8; "
+                        "the shadowkv method only")
     parser.add_argument("--events", action="store_true", help="keep every request's token events in the JSON")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each run in a fresh process (default: on CUDA)")
@@ -108,7 +112,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--driver online serves {ENGINES}, each run bounded by --request-timeout-s")
     if args.url is not None and (args.driver != "online" or len(args.methods) != 1):
         parser.error("--url is the service of one method, online: name it with --methods")
+    if args.shadowkv_set is not None and args.url is not None:
+        parser.error("--shadowkv-set configures the engines this command starts, not a service at --url")
     return args
+
+
+def shadowkv_overridden(app_args: dict, settings: list[str]) -> dict:
+    """app_args with its shadowkv's fields (a preset's or its own) changed by FIELD=VALUE settings, each value read
+    as YAML; a field ShadowKVConfig lacks, a value it refuses or a config without shadowkv raises ValueError."""
+    if app_args.get("shadowkv") is None:
+        raise ValueError("--shadowkv-set: the config serves dense attention (its shadowkv is empty)")
+    fields = dict(vars(shadowkv_from(app_args["shadowkv"])))
+    for setting in settings:
+        name, equals, value = setting.partition("=")
+        if not equals or name not in fields:
+            raise ValueError(f"--shadowkv-set {setting!r}: FIELD=VALUE with FIELD one of {sorted(fields)}")
+        fields[name] = yaml.safe_load(value)
+    shadowkv_from(fields)  # refused values fail here, before any engine starts
+    return {**app_args, "shadowkv": fields}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -127,6 +148,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                     ("prefill_step_ms", args.prefill_step_ms))
                       if value is not _AS_CONFIGURED})
     app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
+    if args.shadowkv_set:
+        try:
+            app_args = shadowkv_overridden(app_args, args.shadowkv_set)
+        except ValueError as error:
+            raise SystemExit(f"workloads: {error}") from None
     if args.dump_workload:
         vocab = model_spec(model_dir(args.model, app_args["max_model_len"])[0]).vocab_size
         dump = {s: describe(make_workload(s, args.seed, vocab, args.scale, args.count_scale, args.rate))
