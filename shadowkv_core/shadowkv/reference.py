@@ -41,18 +41,19 @@ def top_subspace(gram: torch.Tensor, rank: int, iters: int | None = None, oversa
 
     iters None: torch.linalg.eigh, exact (on CUDA it loops over the batch for W > 32: slow for training).
     iters n: n steps of subspace iteration from a fixed random start of rank+oversample columns, re-orthonormalised by
-    Cholesky QR in fp64, then Rayleigh-Ritz (an eigh of (rank+oversample)² matrices, batched on CUDA up to 32):
-    batched matrix products only, deterministic. With no oversampling Rayleigh-Ritz would only rotate the basis
-    within its span: it is skipped, and nothing waits for the device (torch's eigh checks the solver's status on the
-    host); the columns are then an orthonormal basis of the span, not its eigenvectors."""
+    one Cholesky QR pass each in fp64 (two for the basis returned), then Rayleigh-Ritz (an eigh of (rank+oversample)²
+    matrices, batched on CUDA up to 32): batched matrix products only, deterministic. With no oversampling
+    Rayleigh-Ritz would only rotate the basis within its span: it is skipped, and nothing waits for the device
+    (torch's eigh checks the solver's status on the host); the columns are then an orthonormal basis of the span, not
+    its eigenvectors."""
     if iters is None:
         return torch.linalg.eigh(gram)[1][..., -rank:]  # ascending eigenvalues
     B, W, _ = gram.shape
     p = min(W, rank + oversample)
     g = gram.double()
-    q = _orthonormal(g @ _random_start(W, p, g.device))
-    for _ in range(iters):
-        q = _orthonormal(g @ q)
+    q = _orthonormal(g @ _random_start(W, p, g.device), 1 if iters else 2)
+    for i in range(iters):
+        q = _orthonormal(g @ q, 2 if i == iters - 1 else 1)
     if p == rank:
         return q.to(gram.dtype)
     ritz = torch.linalg.eigh(q.transpose(1, 2) @ g @ q)[1][..., -rank:]  # (B, p, rank)
@@ -73,9 +74,12 @@ def _gram(k: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
     return k32.T @ k32
 
 
-def _orthonormal(y: torch.Tensor) -> torch.Tensor:
-    """Cholesky QR (twice, for orthogonality) of y (B, W, p) fp64 -> Q (B, W, p) with Qᵀ Q = I, same column span."""
-    for _ in range(2):
+def _orthonormal(y: torch.Tensor, passes: int = 2) -> torch.Tensor:
+    """Cholesky QR of y (B, W, p) fp64 -> Q (B, W, p), same column span: Qᵀ Q = I to rounding with two passes; one
+    pass leaves it near I, enough between subspace iterations. Columns are normalised before each pass, so that a
+    direction the keys lack (a tiny column) is not lost to the jitter beside the large ones."""
+    for _ in range(passes):
+        y = y / y.norm(dim=1, keepdim=True).clamp_min(1e-300)
         gram = y.transpose(1, 2) @ y
         jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None] * torch.eye(y.shape[2], device=y.device,
                                                                                           dtype=y.dtype)
