@@ -5,9 +5,10 @@
     PYTHONPATH=. python -m benchmarks.workloads --driver online --rates 0.05 0.1 0.2 --model llama-3.1-8b \\
         --out workloads_online.json
 
-Methods: `shadowkv` is the engine as the Serve config (--config, configs/prod.yaml by default) ships it; `dense` the
-same config with full attention; offline, `hf_static` and `hf_dynamic` are Hugging Face transformers (hf.py). --model: a geometry preset (random weights at its real shapes), `tiny`, or a
-checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py, runs.py), each
+Methods: `shadowkv` is the engine as the Serve config (--config, configs/prod.yaml by default) ships it, or with the
+fields --shadowkv-set names changed; `dense` the same config with full attention; offline, `hf_static` and
+`hf_dynamic` are Hugging Face transformers (hf.py). --model: a geometry preset (random weights at its real shapes),
+`tiny`, or a checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py, runs.py), each
 (scenario, method) in a fresh process on CUDA after the engine's warm-up; online, through the service's OpenAI API,
 streamed, the conversations arriving as a Poisson process at each of --rates (service.py, online.py). Writes one row
 per run (the figures of metrics.py and the engine's) to --out under benchmarks/results/, a PNG beside it (offline: the
