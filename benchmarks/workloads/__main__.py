@@ -8,12 +8,12 @@
 Methods: `shadowkv` is the engine as the Serve config (--config, configs/prod.yaml by default) ships it, or with the
 fields --shadowkv-set names changed; `dense` the same config with full attention; offline, `hf_static` and
 `hf_dynamic` are Hugging Face transformers (hf.py). --model: a geometry preset (random weights at its real shapes),
-`tiny`, or a checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py, runs.py), each
-(scenario, method) in a fresh process on CUDA after the engine's warm-up; online, through the service's OpenAI API,
-streamed, the conversations arriving as a Poisson process at each of --rates (service.py, online.py). Writes one row
-per run (the figures of metrics.py and the engine's) to --out under benchmarks/results/, a PNG beside it (offline: the
-TTFT distributions; online: requests/min and goodput against the arrival rate), and a short table last.
---dump-workload writes the workloads' descriptions and runs nothing.
+`tiny`, or a checkpoint directory. Offline, every conversation starts at t=0 through `LLMEngine` (offline.py,
+runs.py), each (scenario, method) in a fresh process on CUDA after the engine's warm-up; online, through the service's
+OpenAI API, streamed, the conversations arriving as a Poisson process at each of --rates (service.py, online.py).
+Writes one row per run (the figures of metrics.py and the engine's) to --out under benchmarks/results/, a PNG beside
+it (offline: the TTFT distributions; online: requests/min and goodput against the arrival rate), and a short table
+last. --dump-workload writes the workloads' descriptions and runs nothing.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from .scenarios import SCENARIOS, describe, make_workload
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ["requests", "wall_s", "requests_per_min", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_ms",
            "goodput_per_min"]
-COLUMNS = {"offline": ["scenario", "method", *FIGURES, "prefill_step_share", "outside_steps_s", "peak_gpu_gib",
-                       "hit_rate"],
+COLUMNS = {"offline": ["scenario", "method", *FIGURES, "unfinished", "prefill_step_share", "outside_steps_s",
+                       "peak_gpu_gib", "hit_rate"],
            "online": ["scenario", "method", "rate", "errors", *FIGURES, "peak_gpu_in_use_gib", "hit_rate"]}
 
 
@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(shadowkv_core/engine/warm_up.py); or that and the scenario once with another seed (every "
                         "kernel compiled and batch shape captured first); or none (a replica started without it)")
     parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="offline: stop each run this long after its start; what is open then counts as unfinished")
+                        help="offline: stop each run this long after its start; what is open then counts as unfinished, "
+                        "its work for nothing (a cut run's requests/min understates the engine)")
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="online: the conversations' arrival rates (first turns per second), one run each")
     parser.add_argument("--url", default=None, help="online: the service running there (loopback), one method")
