@@ -74,7 +74,7 @@ def _gram(k: torch.Tensor, k32: torch.Tensor) -> torch.Tensor:
     return k32.T @ k32
 
 
-def _orthonormal(y: torch.Tensor, passes: int = 2) -> torch.Tensor:
+def _orthonormal(y: torch.Tensor, passes: int) -> torch.Tensor:
     """Cholesky QR of y (B, W, p) fp64 -> Q (B, W, p), same column span: Qᵀ Q = I to rounding with two passes; one
     pass leaves it near I, enough between subspace iterations. Columns are normalised before each pass, so that a
     direction the keys lack (a tiny column) is not lost to the jitter beside the large ones."""
