@@ -266,27 +266,47 @@ def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path(
 
 
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
-# Calibrated against measured peaks (docs/benchmarks.md, the memory model): a layer-wise prefill's peak holds hidden-
-# sized vectors per prompt token (hidden states, residual, q, the attention output and their RoPE / projection
-# temporaries; between the steps of a sliced prefill its job holds a layer's input and output rows, q, k_pre, k_rot, v
-# and the attention output, fewer), ShadowKV two fp32 key rows more (the keys being factorised and their normalised
-# copies), plus one token chunk's MLP; the CUDA context holds memory outside torch's allocator.
-WORKSPACE_HIDDEN_VECTORS = 8
+# Fitted to measured peaks (docs/benchmarks.md, "The prefill's workspace"): a layer-wise prefill peaks either in its
+# attention, holding hidden-sized vectors per prompt token (the layer's input, its norm, q, the attention output and
+# their temporaries; ShadowKV two fp32 key rows and one in the model's dtype more, the keys being factorised), or in
+# its MLP, holding fewer of them plus one token chunk's intermediate-sized vectors (gate and up, the activation and
+# its product); WORKSPACE_MARGIN over the larger. The CUDA context holds memory outside torch's allocator.
+ATTENTION_HIDDEN_VECTORS = 5
+MLP_HIDDEN_VECTORS = 4
+MLP_CHUNK_VECTORS = 4
+WORKSPACE_MARGIN = 1.03
 CONTEXT_BYTES = int(0.9 * GIB)
 
 
 def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_tokens: int, chunk_tokens: int,
                             context_tokens: int = 0) -> int:
-    """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer, after at most `context_tokens` cached ones
-    (a dense prefix: one layer's keys and values read from its blocks, and the prompt's own beside them; a shadow
-    prefix: the same, its keys rebuilt in fp32 first)."""
-    whole = prompt_tokens * WORKSPACE_HIDDEN_VECTORS * g.hidden_size * g.dtype_bytes
-    shadow = prompt_tokens * 2 * g.kv_width * 4 if cfg is not None else 0
-    quantize = prompt_tokens * g.kv_width * 4 if g.kv_cache_dtype == "fp8" else 0  # fp32 copy of keys, then values
-    mlp_chunk = min(chunk_tokens, prompt_tokens) * 3 * g.intermediate_size * g.dtype_bytes  # gate, up, activation
-    context = 2 * (context_tokens + prompt_tokens) * g.kv_width * g.dtype_bytes if context_tokens else 0
-    rebuild = 2 * context_tokens * g.kv_width * 4 if cfg is not None else 0  # U·SV, then its rotated copy
-    return whole + shadow + quantize + mlp_chunk + context + rebuild
+    """Peak temporaries of prefilling `prompt_tokens` tokens layer by layer, after `context_tokens` cached ones (a
+    dense prefix: one layer's keys and values read from its blocks, through fp32 from an fp8 pool, and the prompt's
+    own beside them; a shadow prefix: the same, its keys rebuilt in fp32 on the reference path)."""
+    hidden = g.hidden_size * g.dtype_bytes
+    attention = prompt_tokens * ATTENTION_HIDDEN_VECTORS * hidden
+    if cfg is not None:
+        attention += prompt_tokens * g.kv_width * (2 * 4 + g.dtype_bytes)
+    mlp = (prompt_tokens * MLP_HIDDEN_VECTORS * hidden
+           + min(chunk_tokens, prompt_tokens) * MLP_CHUNK_VECTORS * g.intermediate_size * g.dtype_bytes)
+    context = 0
+    if context_tokens:
+        context = 2 * (context_tokens + prompt_tokens) * g.kv_width * g.dtype_bytes
+        if g.kv_cache_dtype == "fp8" or cfg is not None:
+            context += 2 * context_tokens * g.kv_width * 4
+    return int(WORKSPACE_MARGIN * max(attention, mlp)) + context
+
+
+def largest_prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prefill_tokens: int,
+                                    max_model_len: int, chunk_tokens: int, prefix_caching: bool) -> int:
+    """The workspace of the largest prefill an engine admits: a job of up to max_prefill_tokens prompt tokens, or
+    one longer prompt alone (up to max_model_len); with prefix caching also a job's new tokens after a cached prefix
+    of up to max_model_len - 1 tokens (a bound: a sequence's prefix and its own new tokens stay within
+    max_model_len)."""
+    worst = prefill_workspace_bytes(g, cfg, max(max_prefill_tokens, max_model_len), chunk_tokens)
+    if prefix_caching and max_model_len > 1:
+        worst = max(worst, prefill_workspace_bytes(g, cfg, max_prefill_tokens, chunk_tokens, max_model_len - 1))
+    return worst
 
 
 def decode_workspace_bytes(g: Geometry, num_seqs: int) -> int:

@@ -143,18 +143,55 @@ def test_cli_prints_dense_and_shadowkv_capacity(capsys):
     # workspace and the CUDA context, over what each sequence adds (its cache and its decode logits).
     tokens, layers, kv_width, bf16, pages = 122880 + 128, 32, 8 * 128, 2, math.ceil((122880 + 128) / 128)
     free = GPU - 8_030_261_248 * bf16 - mm.CONTEXT_BYTES  # Llama-3.1-8B's parameters
-    free -= 122880 * mm.WORKSPACE_HIDDEN_VECTORS * 4096 * bf16 + 8192 * 3 * 14336 * bf16  # hidden vectors, one MLP
+    # the prefill's peak at this length is in attention (its MLP: 4 hidden vectors and one chunk's intermediates)
+    attention = 122880 * mm.ATTENTION_HIDDEN_VECTORS * 4096 * bf16
+    assert attention > 122880 * mm.MLP_HIDDEN_VECTORS * 4096 * bf16 + 8192 * mm.MLP_CHUNK_VECTORS * 14336 * bf16
+    dense_free = free - int(mm.WORKSPACE_MARGIN * attention)
     logits = 2 * 128256 * (bf16 + 4)
-    dense = free // (tokens * 2 * layers * kv_width * bf16 + logits)
+    dense = dense_free // (tokens * 2 * layers * kv_width * bf16 + logits)
     exact = 256 * 8 + 48 * 8 + 4 * 8 + 512  # selected, outlier and local chunks of 8 tokens; the decode window
     slot = layers * ((160 * kv_width + 2 * exact * kv_width) * bf16 + 256 * 8 * 8)  # rank 160 basis; chunk ids
     page_gpu = layers * (128 * 160 * bf16 + 16 * 8 + 16 * 2 * kv_width * bf16)  # U rows, outlier flags, bounds
     shadow_gpu = slot + 4096 * 2 * layers * kv_width * bf16 + pages * page_gpu + logits  # + a dense reservation
-    shadow_free = free - 122880 * 2 * kv_width * 4  # the factorised keys' fp32 rows
+    shadow_free = free - int(mm.WORKSPACE_MARGIN * (attention + 122880 * kv_width * (2 * 4 + bf16)))  # keys factorised
     shadow_host = pages * 128 * layers * kv_width * bf16
     shadow = min(shadow_free // shadow_gpu, HOST // shadow_host)
     assert (int(row[1]), int(row[2])) == (dense, shadow)
     assert row[4:7] == ["0.000", f"{(slot + pages * page_gpu) / mm.GIB:.2f}", f"{shadow_host / mm.GIB:.2f}"]
+
+
+@pytest.mark.parametrize("cfg", [None, PAPER], ids=["dense", "shadowkv"])
+@pytest.mark.parametrize("max_prefill, max_len", [(32768, 131072), (16384, 4096), (8192, 8192)])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_reserved_prefill_workspace_covers_every_prefill_an_engine_admits(cfg, max_prefill, max_len,
+                                                                                prefix_caching):
+    reserved = mm.largest_prefill_workspace_bytes(G8B, cfg, max_prefill, max_len, 8192, prefix_caching)
+    # a job of up to max_prefill tokens, or one longer prompt alone; after a cached prefix, a job whose sequences each
+    # stay within max_len
+    cold = [(n, 0) for n in range(1, max(max_prefill, max_len) + 1, 997)] + [(max(max_prefill, max_len), 0)]
+    cached = [(n, p) for n in range(1, max_prefill + 1, 991) for p in range(1, max_len, 1009)]
+    cached.append((max_prefill, max_len - 1))
+    needed = [mm.prefill_workspace_bytes(G8B, cfg, n, 8192, p) for n, p in cold + (cached if prefix_caching else [])]
+    assert reserved == max(needed)
+    if max_prefill < max_len:  # a prompt longer than a job runs alone: its workspace is the largest
+        assert reserved == mm.prefill_workspace_bytes(G8B, cfg, max_len, 8192)
+        assert reserved > mm.prefill_workspace_bytes(G8B, cfg, max_prefill, 8192, max_len - 1)
+
+
+def test_the_prefill_workspace_peaks_in_attention_for_long_prompts_and_in_the_mlp_for_short_ones():
+    def parts(n: int) -> tuple[float, float]:
+        attention = n * mm.ATTENTION_HIDDEN_VECTORS * 4096 * 2
+        mlp = n * mm.MLP_HIDDEN_VECTORS * 4096 * 2 + min(n, 8192) * mm.MLP_CHUNK_VECTORS * 14336 * 2
+        return attention, mlp
+
+    for n in (100, 8192, 32768, 262144):
+        assert mm.prefill_workspace_bytes(G8B, None, n, 8192) == int(mm.WORKSPACE_MARGIN * max(parts(n)))
+    assert parts(8192)[1] > parts(8192)[0] and parts(262144)[0] > parts(262144)[1]
+    # ShadowKV adds its factorised keys' rows to the attention phase only
+    extra = 262144 * G8B.kv_width * (2 * 4 + 2)
+    assert mm.prefill_workspace_bytes(G8B, PAPER, 262144, 8192) == int(mm.WORKSPACE_MARGIN * (parts(262144)[0]
+                                                                                               + extra))
+    assert mm.prefill_workspace_bytes(G8B, PAPER, 8192, 8192) == mm.prefill_workspace_bytes(G8B, None, 8192, 8192)
 
 
 def test_cli_rejects_an_unknown_model():
@@ -218,3 +255,18 @@ def test_host_memory_available_respects_the_container_limit(tmp_path):
     (cgroup / "memory.current").write_text(f"{10 * mm.GIB}\n")
     assert mm.mem_available_bytes(proc, cgroup) == 150 * mm.GIB
     assert 0 < mm.mem_available_bytes()  # this machine
+
+
+def test_an_engine_keeps_room_for_a_prompt_longer_than_its_prefill_jobs(monkeypatch):
+    from shadowkv_core.engine.cache_factory import gpu_cache_bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GPU - 20 * mm.GIB, GPU))
+    cuda = torch.device("cuda")
+
+    def budget(max_prefill_tokens: int, max_model_len: int) -> int:
+        config = EngineConfig(model="unused", max_prefill_tokens=max_prefill_tokens, shadowkv=PAPER)
+        return gpu_cache_bytes(config, G8B, cuda, max_model_len)
+
+    # one prompt of up to max_model_len runs alone whatever max_prefill_tokens is: the same room is kept
+    assert budget(8192, 131072) == budget(32768, 131072) < budget(32768, 65536)
+    longest = mm.prefill_workspace_bytes(G8B, PAPER, 131072, 8192)
+    assert budget(32768, 131072) == int(0.9 * GPU) - 20 * mm.GIB - longest - mm.decode_workspace_bytes(G8B, 8)

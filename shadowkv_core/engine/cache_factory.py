@@ -23,16 +23,15 @@ HOST_HEADROOM = 0.8  # share of MemAvailable a default host store may take
 
 def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device, max_model_len: int) -> int:
     """Bytes the caches may take on the device: configured, or what is free after the weights minus the
-    memory model's workspace for the longest prefill (with prefix caching, after the longest cached prefix:
-    max_model_len tokens, dense or in shadows)."""
+    memory model's workspace for the largest prefill the engine admits (largest_prefill_workspace_bytes) and the
+    full batch's decode."""
     if config.gpu_cache_gib is not None:
         return int(config.gpu_cache_gib * mm.GIB)
     if device.type != "cuda":
         return CPU_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    context = max_model_len if config.enable_prefix_caching else 0
-    workspace = (mm.prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, config.prefill_chunk_tokens,
-                                            context)
+    workspace = (mm.largest_prefill_workspace_bytes(g, config.shadowkv, config.max_prefill_tokens, max_model_len,
+                                                    config.prefill_chunk_tokens, config.enable_prefix_caching)
                  + mm.decode_workspace_bytes(g, config.max_num_seqs))
     return max(int(total * config.gpu_memory_utilization) - (total - free) - workspace, 0)
 
