@@ -8,7 +8,8 @@ prompt runs first and stays in the prefix cache; then the same P tokens and N ne
 prefilled). Each case measures torch's peak allocated bytes from the request's arrival to its first token over what
 was allocated just before (pools, weights, graphs and any cached prefix are already there), beside what the memory
 model predicts for what was prefilled (a cached prefix is reused by whole pages: `hit_tokens`); `ratio` is
-measured over predicted (above 1: the model under-counts).
+measured over predicted (above 1: the model under-counts). `reserved_gib`: what torch's caching allocator took from
+the device for the case (its free blocks returned before each), the allocated peak plus its fragmentation.
 
     PYTHONPATH=. python -m benchmarks.prefill_workspace [--methods dense dense_fp8 shadowkv shadowkv_fp8lm]
         [--cases whole:32768 whole:122880 sliced:122880 suffix:120000+2048]
@@ -58,17 +59,20 @@ def _run_to_first_token(engine, request_id: str, prompt: list[int]) -> None:
         engine.step()
 
 
-def _measured(engine, request_id: str, prompt: list[int], cuda: bool) -> int | None:
-    """torch's peak allocated bytes over what was allocated when the request arrived, until its first token."""
+def _measured(engine, request_id: str, prompt: list[int], cuda: bool) -> tuple[int, int] | None:
+    """torch's peak allocated bytes over what was allocated when the request arrived, until its first token, and
+    the device memory its allocator reserved for them (its cached free blocks returned first, so that the growth
+    is the case's own: what it takes from the device, fragmentation included)."""
     if cuda:
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
     _run_to_first_token(engine, request_id, prompt)
     if not cuda:
         return None
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    return torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - base_reserved
 
 
 def run_method(run: dict, method: str) -> list[dict]:
@@ -107,9 +111,12 @@ def run_method(run: dict, method: str) -> list[dict]:
                    "prefix_tokens": prefix, "new_tokens": new, "hit_tokens": hits, "predicted_gib": predicted / mm.GIB,
                    "seconds": round(time.perf_counter() - start, 1)}
             if measured is not None:
-                row.update(measured_gib=measured / mm.GIB, ratio=measured / predicted)
+                allocated, reserved = measured
+                row.update(measured_gib=allocated / mm.GIB, ratio=allocated / predicted,
+                           reserved_gib=reserved / mm.GIB, reserved_ratio=reserved / predicted)
             rows.append(row)
-            print_table([row], ["method", "case", "hit_tokens", "measured_gib", "predicted_gib", "ratio", "seconds"])
+            print_table([row], ["method", "case", "hit_tokens", "measured_gib", "reserved_gib", "predicted_gib",
+                                "ratio", "seconds"])
         return rows
     finally:
         engine.close()
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         path = write_json(args.out, rows, argv=sys.argv, device=torch.cuda.get_device_name() if cuda else "cpu",
                           model=args.model, failures=failures, seconds=round(time.time() - start, 1))
     print(f"\nwrote {path}")
-    print_table(rows, ["method", "case", "measured_gib", "predicted_gib", "ratio"])
+    print_table(rows, ["method", "case", "measured_gib", "reserved_gib", "predicted_gib", "ratio", "reserved_ratio"])
     return rows
 
 

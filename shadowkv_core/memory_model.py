@@ -266,15 +266,18 @@ def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path(
 
 
 # ---- fixed cost and capacity ----------------------------------------------------------------------------------
-# Fitted to measured peaks (docs/benchmarks.md, "The prefill's workspace"): a layer-wise prefill peaks either in its
-# attention, holding hidden-sized vectors per prompt token (the layer's input, its norm, q, the attention output and
-# their temporaries; ShadowKV two fp32 key rows and one in the model's dtype more, the keys being factorised), or in
-# its MLP, holding fewer of them plus one token chunk's intermediate-sized vectors (gate and up, the activation and
-# its product); WORKSPACE_MARGIN over the larger. The CUDA context holds memory outside torch's allocator.
+# Fitted to measured peaks of what torch's caching allocator reserves (docs/benchmarks.md, "The prefill's
+# workspace"): a layer-wise prefill peaks either in its attention, holding hidden-sized vectors per prompt token (the
+# layer's input, its norm, q, the attention output and their temporaries), or in its MLP, holding fewer of them plus
+# one token chunk's intermediate-sized vectors (gate and up, the activation and its product). Beside either: an fp8
+# pool's keys and values in fp32 on their way in, and ShadowKV's keys being factorised (two fp32 rows and one in the
+# model's dtype), twice over: the build stream's allocator pool keeps its blocks apart from the main stream's.
+# WORKSPACE_MARGIN covers the allocator's rounding and fragmentation. The CUDA context holds memory outside torch's
+# allocator.
 ATTENTION_HIDDEN_VECTORS = 5
 MLP_HIDDEN_VECTORS = 4
 MLP_CHUNK_VECTORS = 4
-WORKSPACE_MARGIN = 1.03
+WORKSPACE_MARGIN = 1.07
 CONTEXT_BYTES = int(0.9 * GIB)
 
 
@@ -285,16 +288,19 @@ def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_toke
     own beside them; a shadow prefix: the same, its keys rebuilt in fp32 on the reference path)."""
     hidden = g.hidden_size * g.dtype_bytes
     attention = prompt_tokens * ATTENTION_HIDDEN_VECTORS * hidden
-    if cfg is not None:
-        attention += prompt_tokens * g.kv_width * (2 * 4 + g.dtype_bytes)
     mlp = (prompt_tokens * MLP_HIDDEN_VECTORS * hidden
            + min(chunk_tokens, prompt_tokens) * MLP_CHUNK_VECTORS * g.intermediate_size * g.dtype_bytes)
+    held = 0
+    if g.kv_cache_dtype == "fp8":
+        held += prompt_tokens * 2 * g.kv_width * 4
+    if cfg is not None:
+        held += 2 * prompt_tokens * g.kv_width * (2 * 4 + g.dtype_bytes)
     context = 0
     if context_tokens:
         context = 2 * (context_tokens + prompt_tokens) * g.kv_width * g.dtype_bytes
         if g.kv_cache_dtype == "fp8" or cfg is not None:
             context += 2 * context_tokens * g.kv_width * 4
-    return int(WORKSPACE_MARGIN * max(attention, mlp)) + context
+    return int(WORKSPACE_MARGIN * (max(attention, mlp) + held)) + context
 
 
 def largest_prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prefill_tokens: int,

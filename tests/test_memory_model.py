@@ -153,7 +153,7 @@ def test_cli_prints_dense_and_shadowkv_capacity(capsys):
     slot = layers * ((160 * kv_width + 2 * exact * kv_width) * bf16 + 256 * 8 * 8)  # rank 160 basis; chunk ids
     page_gpu = layers * (128 * 160 * bf16 + 16 * 8 + 16 * 2 * kv_width * bf16)  # U rows, outlier flags, bounds
     shadow_gpu = slot + 4096 * 2 * layers * kv_width * bf16 + pages * page_gpu + logits  # + a dense reservation
-    shadow_free = free - int(mm.WORKSPACE_MARGIN * (attention + 122880 * kv_width * (2 * 4 + bf16)))  # keys factorised
+    shadow_free = free - int(mm.WORKSPACE_MARGIN * (attention + 2 * 122880 * kv_width * (2 * 4 + bf16)))  # their keys
     shadow_host = pages * 128 * layers * kv_width * bf16
     shadow = min(shadow_free // shadow_gpu, HOST // shadow_host)
     assert (int(row[1]), int(row[2])) == (dense, shadow)
@@ -187,11 +187,13 @@ def test_the_prefill_workspace_peaks_in_attention_for_long_prompts_and_in_the_ml
     for n in (100, 8192, 32768, 262144):
         assert mm.prefill_workspace_bytes(G8B, None, n, 8192) == int(mm.WORKSPACE_MARGIN * max(parts(n)))
     assert parts(8192)[1] > parts(8192)[0] and parts(262144)[0] > parts(262144)[1]
-    # ShadowKV adds its factorised keys' rows to the attention phase only
-    extra = 262144 * G8B.kv_width * (2 * 4 + 2)
-    assert mm.prefill_workspace_bytes(G8B, PAPER, 262144, 8192) == int(mm.WORKSPACE_MARGIN * (parts(262144)[0]
-                                                                                               + extra))
-    assert mm.prefill_workspace_bytes(G8B, PAPER, 8192, 8192) == mm.prefill_workspace_bytes(G8B, None, 8192, 8192)
+    # beside either phase: ShadowKV's keys being factorised (twice: the build stream's pool), an fp8 pool's fp32 rows
+    fp8 = dataclasses.replace(G8B, kv_cache_dtype="fp8")
+    for n in (8192, 262144):
+        keys = 2 * n * G8B.kv_width * (2 * 4 + 2)
+        assert mm.prefill_workspace_bytes(G8B, PAPER, n, 8192) == int(mm.WORKSPACE_MARGIN * (max(parts(n)) + keys))
+        rows = n * 2 * G8B.kv_width * 4
+        assert mm.prefill_workspace_bytes(fp8, None, n, 8192) == int(mm.WORKSPACE_MARGIN * (max(parts(n)) + rows))
 
 
 def test_cli_rejects_an_unknown_model():
@@ -239,7 +241,10 @@ def test_best_device_value_share_fills_device_memory_a_host_bound_batch_leaves()
     assert 0 < share < 1 and best > host_bound  # values moved to the device make room on the host
     more = dataclasses.replace(cfg, device_value_share=share + 1 / 64)
     assert held_at(host)(more) < best  # the largest share that keeps that batch
-    assert mm.best_device_value_share(cfg, held_at(10_000 * mm.GIB)) == 0.0  # GPU-bound: none
+    gpu_bound = held_at(10_000 * mm.GIB)  # values on the device only in what the largest batch leaves of it
+    share = mm.best_device_value_share(cfg, gpu_bound)
+    assert gpu_bound(dataclasses.replace(cfg, device_value_share=share)) == gpu_bound(cfg)
+    assert gpu_bound(dataclasses.replace(cfg, device_value_share=share + 1 / 64)) < gpu_bound(cfg)
 
 
 def test_host_memory_available_respects_the_container_limit(tmp_path):
