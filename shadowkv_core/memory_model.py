@@ -270,14 +270,15 @@ def mem_available_bytes(proc: Path = Path("/proc/meminfo"), cgroup: Path = Path(
 # workspace"): a layer-wise prefill peaks either in its attention, holding hidden-sized vectors per prompt token (the
 # layer's input, its norm, q, the attention output and their temporaries), or in its MLP, holding fewer of them plus
 # one token chunk's intermediate-sized vectors (gate and up, the activation and its product). Beside either: an fp8
-# pool's keys and values in fp32 on their way in, and ShadowKV's keys being factorised (two fp32 rows and one in the
-# model's dtype), twice over: the build stream's allocator pool keeps its blocks apart from the main stream's.
-# WORKSPACE_MARGIN covers the allocator's rounding and fragmentation. The CUDA context holds memory outside torch's
-# allocator.
+# pool's keys and values quantised through fp32 temporaries (FP8_WRITE_ROWS fp32 rows of the KV width a token), and
+# ShadowKV's keys being factorised (two fp32 rows and one in the model's dtype), twice over: the build stream's
+# allocator pool keeps its blocks apart from the main stream's. WORKSPACE_MARGIN covers the allocator's rounding and
+# fragmentation. The CUDA context holds memory outside torch's allocator.
 ATTENTION_HIDDEN_VECTORS = 5
 MLP_HIDDEN_VECTORS = 4
 MLP_CHUNK_VECTORS = 4
-WORKSPACE_MARGIN = 1.07
+FP8_WRITE_ROWS = 4
+WORKSPACE_MARGIN = 1.1
 CONTEXT_BYTES = int(0.9 * GIB)
 
 
@@ -292,7 +293,7 @@ def prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, prompt_toke
            + min(chunk_tokens, prompt_tokens) * MLP_CHUNK_VECTORS * g.intermediate_size * g.dtype_bytes)
     held = 0
     if g.kv_cache_dtype == "fp8":
-        held += prompt_tokens * 2 * g.kv_width * 4
+        held += prompt_tokens * FP8_WRITE_ROWS * g.kv_width * 4
     if cfg is not None:
         held += 2 * prompt_tokens * g.kv_width * (2 * 4 + g.dtype_bytes)
     context = 0

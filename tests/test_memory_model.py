@@ -192,7 +192,7 @@ def test_the_prefill_workspace_peaks_in_attention_for_long_prompts_and_in_the_ml
     for n in (8192, 262144):
         keys = 2 * n * G8B.kv_width * (2 * 4 + 2)
         assert mm.prefill_workspace_bytes(G8B, PAPER, n, 8192) == int(mm.WORKSPACE_MARGIN * (max(parts(n)) + keys))
-        rows = n * 2 * G8B.kv_width * 4
+        rows = n * mm.FP8_WRITE_ROWS * G8B.kv_width * 4
         assert mm.prefill_workspace_bytes(fp8, None, n, 8192) == int(mm.WORKSPACE_MARGIN * (max(parts(n)) + rows))
 
 
