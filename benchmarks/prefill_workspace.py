@@ -1,6 +1,6 @@
 """Peak prefill temporaries against the memory model (`shadowkv_core.memory_model.prefill_workspace_bytes`), by engine
-and by prefill path, random weights of a real geometry, one engine per method (prefix caching on, one slot more than
-the cases need at once).
+and by prefill path, random weights of a real geometry, one engine per method (prefix caching on, two slots: a
+sliced case's prompt and the request decoding beside it).
 
 Cases: `whole:N` (an N-token prompt on an idle engine: prefilled in one step), `sliced:N` (the same prompt while a
 short request decodes, so that it prefills in `--slice-tflop` slices beside the decode steps), `suffix:P+N` (a P-token
