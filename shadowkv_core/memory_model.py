@@ -311,7 +311,7 @@ def largest_prefill_workspace_bytes(g: Geometry, cfg: ShadowKVConfig | None, max
     of up to max_model_len - 1 tokens (a bound: a sequence's prefix and its own new tokens stay within
     max_model_len)."""
     worst = prefill_workspace_bytes(g, cfg, max(max_prefill_tokens, max_model_len), chunk_tokens)
-    if prefix_caching and max_model_len > 1:
+    if prefix_caching:
         worst = max(worst, prefill_workspace_bytes(g, cfg, max_prefill_tokens, chunk_tokens, max_model_len - 1))
     return worst
 
