@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from serve_app.engine_replica import engine_footprint
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
-from shadowkv_core.engine.cache_factory import build_cache
+from shadowkv_core.engine.cache_factory import HOST_HEADROOM, build_cache, host_cache_bytes
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine, start_engine
 from shadowkv_core.models import load_model
 from shadowkv_core.models.prefill_cost import PrefillBudget
@@ -152,6 +152,18 @@ def test_bad_splits_are_refused(tiny_path):
 def test_each_rank_keeps_its_share_of_every_layers_rank():
     per_rank = rank_shadowkv(dataclasses.replace(FULL_SHADOW, rank=24, layer_ranks=(32, 16)), 2)
     assert (per_rank.rank, per_rank.layer_ranks) == (12, (16, 8))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_ranks_share_the_hosts_memory_for_their_values(monkeypatch, size):
+    """Every rank of a GPU replica sizes its pinned values from MemAvailable at once, before any of them pins: each
+    takes its share of the headroom, not the whole of it. A configured host_cache_gib is each rank's as given."""
+    monkeypatch.setattr(mm, "mem_available_bytes", lambda: 100 * mm.GIB)
+    config = EngineConfig(model="unused", device="cuda", tensor_parallel_size=size)
+    assert host_cache_bytes(config, wanted=10**15) == int(100 * mm.GIB * HOST_HEADROOM) // size
+    assert host_cache_bytes(config, wanted=mm.GIB) == mm.GIB  # what the GPU pages can use, when that is less
+    given = dataclasses.replace(config, host_cache_gib=3.0)
+    assert host_cache_bytes(given, wanted=10**15) == 3 * mm.GIB
 
 
 def test_memory_model_counts_one_ranks_weights_and_cache(tiny_path):

@@ -37,12 +37,13 @@ def gpu_cache_bytes(config: EngineConfig, g: mm.Geometry, device: torch.device, 
 
 
 def host_cache_bytes(config: EngineConfig, wanted: int) -> int:
-    """Pinned host bytes for values: configured, or what the GPU pages can use, capped by available memory."""
+    """Pinned host bytes for one rank's values: configured, or what the GPU pages can use, capped by its share of
+    available memory (the ranks of a tensor-parallel replica read MemAvailable at once, each before the others pin)."""
     if config.host_cache_gib is not None:
         return int(config.host_cache_gib * mm.GIB)
     if torch.device(config.device).type != "cuda":
         return CPU_CACHE_BYTES
-    return min(wanted, int(mm.mem_available_bytes() * HOST_HEADROOM))
+    return min(wanted, int(mm.mem_available_bytes() * HOST_HEADROOM) // config.tensor_parallel_size)
 
 
 def _host_wanted(g: mm.Geometry, cfg: ShadowKVConfig, gpu_budget: int, config: EngineConfig) -> int:
