@@ -22,6 +22,11 @@ hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the f
 to dense the faster of dense and dense_fp8); each
 engine method with the suffix _eager runs without CUDA graphs, and with _sync without async decode
 (EngineConfig.async_decode), at the batches that compare with it (8 and its largest).
+
+--tensor-parallel N runs each engine as one replica of N GPUs (engine/tensor_parallel.py): it is sized, and its floor
+taken, by one rank's geometry and ShadowKV config (parallel.rank_spec, rank_shadowkv), since every rank holds the same
+share and the ranks step together; --host-gib is then each rank's, and no step breakdown is profiled (the profiler
+sees rank 0's process alone).
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ from benchmarks.memory_model import non_torch_gpu_bytes
 from benchmarks.report import RESULTS, print_table, write_json
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.engine.tensor_parallel import TensorParallelEngine, new_engine
 from shadowkv_core.models.geometry import LLAMA_31_8B, TINY, TINY_SHADOWKV, model_spec, write_config
+from shadowkv_core.parallel import rank_shadowkv
 from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shadowkv_floor_s
 
 ENGINE_METHODS = ("dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
@@ -104,17 +111,20 @@ def method_geometry(g: mm.Geometry, method: str) -> mm.Geometry:
 
 
 def build_engine(model: str, g: mm.Geometry, cfg: ShadowKVConfig | None, context: int, batch: int, max_new: int,
-                 device: str, **options) -> LLMEngine:
-    """An engine whose pools hold exactly `batch` sequences of context + max_new tokens (the memory model's sizes)."""
+                 device: str, tp: int = 1, **options) -> LLMEngine | TensorParallelEngine:
+    """An engine whose pools hold exactly `batch` sequences of context + max_new tokens (the memory model's sizes);
+    with tp > 1 a replica of tp ranks, g being one rank's geometry and cfg the replica's ShadowKV config."""
+    rank_cfg = rank_shadowkv(cfg, tp)
     if cfg is None:
         gpu, host = batch * mm.engine_seq_bytes(g, None, context, max_new).gpu, None
     else:
-        gpu, host_bytes = mm.pool_budget_for(g, cfg, batch, context, max_new)
+        gpu, host_bytes = mm.pool_budget_for(g, rank_cfg, batch, context, max_new)
         host = host_bytes / mm.GIB
-    return LLMEngine(EngineConfig(model=model, device=device, dtype=str(dtype_for(device)).removeprefix("torch."),
-                                  load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
-                                  max_model_len=context + max_new, max_prefill_tokens=context,
-                                  gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host, **options))
+    return new_engine(EngineConfig(model=model, device=device, dtype=str(dtype_for(device)).removeprefix("torch."),
+                                   load_format="dummy", shadowkv=cfg, max_num_seqs=batch,
+                                   max_model_len=context + max_new, max_prefill_tokens=context,
+                                   gpu_cache_gib=gpu / mm.GIB, host_cache_gib=host, tensor_parallel_size=tp,
+                                   **options))
 
 
 def dtype_for(device: str) -> torch.dtype:
@@ -198,7 +208,9 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
     """Prefill one prompt, clone it up the batch sweep, time decode at each batch (and profile where asked)."""
     g, context, device, args = method_geometry(run["geometry"], method), run["context"], run["device_kind"], run["args"]
     cfg, options = method_setup(method, run["shadowkv"], run["tier_share"])
-    engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, **options)
+    tp = args.tensor_parallel
+    engine = build_engine(run["config_dir"], g, cfg, context, max(batches), args.max_new_tokens, device, tp, **options)
+    cfg = rank_shadowkv(cfg, tp)  # the floor is one rank's
     try:
         warm_up(engine, context)
         if device == "cuda":
@@ -216,12 +228,16 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
             peak_gpu = torch.cuda.max_memory_allocated() + non_torch_gpu_bytes() if device == "cuda" else 0
             row = row_for(run, method, batch, times, ttft, peak_gpu, engine.stats()["host_bytes_in_use"], hit, floor)
             row["engine_batch"] = max(batches)  # pools sized for this batch: peak GPU bytes are the engine's
+            if device == "cuda":  # cudaMalloc calls that failed and were retried after freeing the allocator's cache
+                row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             if args.temperature:
                 row["sampling"] = {"temperature": args.temperature, "top_p": args.top_p}
             if cfg is not None and cfg.device_value_share:
                 row["device_value_share"] = cfg.device_value_share
             row.update(fetch_figures(stats) if cfg is not None else {})
-            if batch in profile_at:
+            if tp > 1:
+                row["tensor_parallel_size"] = tp
+            elif batch in profile_at:
                 row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
             rows.append(row)
             print_table([row], COLUMNS)
@@ -415,7 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-batch", type=int, default=1 << 20, help="cap on every batch (short runs)")
     parser.add_argument("--gpu-util", type=float, default=0.9, help="share of GPU memory the memory model may plan")
-    parser.add_argument("--host-gib", type=float, default=None, help="host budget (default 80%% of MemAvailable)")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="host budget of an engine, or of each rank (default 80%% of MemAvailable, shared by the "
+                             "ranks)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs of one replica (engines only)")
     parser.add_argument("--tier-share", type=float, nargs="+", default=[None],
                         help="device_value_share of the _tiered methods, one run of each per value (default: the "
                              "memory model's best)")
@@ -429,6 +448,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup_steps < 1:
         parser.error("--warmup-steps must be >= 1 (a timed step is timed from the end of the step before it)")
+    if args.tensor_parallel < 1 or (args.tensor_parallel > 1 and any(m.startswith("hf") for m in args.methods)):
+        parser.error("--tensor-parallel: an integer >= 1, for our engines alone (Hugging Face runs on one GPU)")
     return args
 
 
@@ -456,19 +477,21 @@ def main(argv: list[str] | None = None) -> dict:
         return data
     cuda = args.device == "cuda"
     config_dir = write_config(geometry_config(args.model, max(args.contexts) + args.max_new_tokens))
-    g = mm.Geometry.from_spec(model_spec(config_dir), dtype_for(args.device))
+    tp = args.tensor_parallel
+    g = mm.Geometry.from_spec(model_spec(config_dir), dtype_for(args.device)).rank_share(tp)  # one rank's
     cfg = TINY_SHADOWKV if args.model == "tiny" else ShadowKVConfig()
+    rank_cfg = rank_shadowkv(cfg, tp)
     copy_bps, h2d_bps = ceilings(args.device)
     gpu_total = int((torch.cuda.mem_get_info()[1] if cuda else 4 * mm.GIB) * args.gpu_util)
-    host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8)
+    host = int(args.host_gib * mm.GIB) if args.host_gib else int(mm.mem_available_bytes() * 0.8) // tp
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     rows, failures, summary = [], [], []
     out = Path(args.out) if Path(args.out).is_absolute() else RESULTS / args.out
     tasks = [(c, m, share) for c in args.contexts for m in args.methods
              for share in (args.tier_share if "_tiered" in m else [None])]
     for context, method, share in progress(tasks):
-        tier_share = tier_share_for(g, method, cfg, gpu_total, host, context, args.max_new_tokens, share)
-        sized = ((g, None), (method_geometry(g, method), method_setup(method, cfg, tier_share)[0]))
+        tier_share = tier_share_for(g, method, rank_cfg, gpu_total, host, context, args.max_new_tokens, share)
+        sized = ((g, None), (method_geometry(g, method), rank_shadowkv(method_setup(method, cfg, tier_share)[0], tp)))
         dense_max, own_max = (min(mm.capacity(geom, c, gpu_total, host, [context], args.max_new_tokens), args.max_batch)
                               for geom, c in sized)
         batches, profile_at = plan(method, dense_max, own_max)
@@ -490,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary = summarize(rows, copy_bps, {**mm.PRESETS, args.model: g})
         path = write_json(out, rows, summary=summary, failures=failures, copy_gbps=copy_bps / 1e9,
                           h2d_gbps=h2d_bps / 1e9, gpu_plan_bytes=gpu_total, host_plan_bytes=host,
-                          shadowkv=dataclasses.asdict(cfg))
+                          shadowkv=dataclasses.asdict(cfg), tensor_parallel_size=tp)
     png = plot(rows, summary, path.with_suffix(".png")) if rows else None
     decode_step = merge_decode_step(Path(args.kernels_json), rows) if args.model == "llama-3.1-8b" else None
     print(f"wrote {path}, {png}; decode_step row: {decode_step}")

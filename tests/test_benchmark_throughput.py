@@ -71,6 +71,30 @@ def test_script_writes_rows_summary_and_plot(run):
     assert json.loads((root / "kernels.json").read_text())["rows"] == [{"kernel": "fetch_values"}]
 
 
+def test_a_replica_of_two_ranks_decodes_sized_by_one_ranks_bytes(tmp_path):
+    """--tensor-parallel 2: each engine is a group of two ranks (gloo on the CPU), sized by one rank's geometry (half
+    the KV heads: twice the sequences of a rank's bytes); no profile, which would see rank 0 alone."""
+    out = tmp_path / "tp.json"
+    g = mm.Geometry.from_spec(model_spec(write_config(TINY)), torch.float32)
+    host_gib = 2.5 * mm.seq_bytes(g, TINY_SHADOWKV, 512, 24).host / mm.GIB  # two and a half sequences' values
+    run_module("benchmarks.throughput", *RUN, "--steps", "2", "--max-batch", "6", "--methods", "dense", "shadowkv",
+               "--tensor-parallel", "2", "--host-gib", str(host_gib), "--out", str(out),
+               "--kernels-json", str(tmp_path / "k.json"), timeout_s=900)
+    saved = json.loads(out.read_text())
+    assert not saved["failures"] and saved["tensor_parallel_size"] == 2
+    rows = saved["rows"]
+    assert {r["method"] for r in rows} == {"dense", "shadowkv"}
+    assert all(r["tensor_parallel_size"] == 2 and "breakdown_ms" not in r and r["decode_tok_s"] > 0 for r in rows)
+    # each rank's budget, where a rank keeps half of each sequence's values: five sequences (one GPU would hold two)
+    assert max(r["batch"] for r in rows if r["method"] == "shadowkv") == 5
+
+
+def test_hugging_face_runs_on_one_gpu_alone():
+    done = run_module("benchmarks.throughput", *RUN, "--methods", "hf", "--tensor-parallel", "2", timeout_s=120,
+                      check=False)
+    assert done.returncode == 2 and "--tensor-parallel" in done.stderr
+
+
 def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_batch(tmp_path):
     """With a host budget of about two sequences' values and room on the "device", _tiered picks a share > 0 that
     holds more sequences, and its misses are partly read from the device region (the reference path on CPU)."""

@@ -130,6 +130,22 @@ def test_max_num_seqs_overrides_the_config(tmp_path):
     assert (row["prefill_step_tflop"], row["prefill_step_ms"]) == (0.5, 25)
 
 
+def test_a_replica_of_two_ranks_serves_each_request_whole(tmp_path):
+    """A config whose replica is a tensor-parallel group of 2 (gloo on the CPU): every request of a single-turn and a
+    multi-turn scenario gets its tokens from the group, for dense and ShadowKV; --host-cache-gib is each rank's."""
+    config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config["applications"][0]["args"]["tensor_parallel_size"] = 2
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "tp2.json"
+    run_module("benchmarks.workloads", "--config", str(path), "--model", "tiny", *SMALL, "--events",
+               "--scenarios", "doc_qa", "multi_turn", "--methods", "dense", "shadowkv", "--no-isolate",
+               "--host-cache-gib", "0.2", "--out", str(out), timeout_s=900)
+    rows = json.loads(out.read_text())["rows"]
+    check_run(rows, [(s, m) for s in ("doc_qa", "multi_turn") for m in ("dense", "shadowkv")])
+    assert {(r["tensor_parallel_size"], r["host_cache_gib"]) for r in rows} == {(2, 0.2)}
+
+
 def test_prefill_step_none_prefills_whole_prompts(tmp_path):
     """--prefill-step-tflop none: the engine runs without a step budget (each prompt prefilled whole), where the
     config's engine left to itself has one."""

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the config's engine.overlap_prefill (prefill slices on a stream of their own)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="override the config's max_num_seqs, the sequences an engine runs at once")
+    parser.add_argument("--host-cache-gib", type=float, default=None,
+                        help="pinned host bytes for each engine's (each tensor-parallel rank's) values, instead of "
+                             "the config's or its share of MemAvailable")
     parser.add_argument("--shadowkv-set", nargs="+", default=None, metavar="FIELD=VALUE",
                         help="override fields of the config's shadowkv (ShadowKVConfig), e.g. value_format=fp8; "
                         "the shadowkv method only")
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.max_num_seqs is not None:
         app_args = {**app_args, "max_num_seqs": args.max_num_seqs}
     overrides = {key: value for key, value in (("enable_prefix_caching", args.prefix_caching),
-                                               ("overlap_prefill", args.overlap_prefill)) if value is not None}
+                                               ("overlap_prefill", args.overlap_prefill),
+                                               ("host_cache_gib", args.host_cache_gib)) if value is not None}
     overrides.update({key: value for key, value in (("prefill_step_tflop", args.prefill_step_tflop),
                                                     ("prefill_step_ms", args.prefill_step_ms))
                       if value is not _AS_CONFIGURED})

@@ -15,6 +15,7 @@ from benchmarks.throughput import geometry_config, run_isolated
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
 from shadowkv_core.config import engine_fields
+from shadowkv_core.engine.tensor_parallel import new_engine
 from shadowkv_core.engine.warm_up import warm_up, warm_up_prompt
 from shadowkv_core.models.geometry import TINY, model_spec, write_config, write_geometry
 
@@ -69,9 +70,10 @@ def warm_up_on_scenario(engine: LLMEngine, args: argparse.Namespace, scenario: s
 
 
 def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method: str) -> dict:
-    """One scenario through one fresh engine -> its row (and, with --events, each request's events)."""
+    """One scenario through one fresh engine (a tensor-parallel group where the config's tensor_parallel_size asks for
+    one) -> its row (and, with --events, each request's events)."""
     model, dummy = model_dir(args.model, app_args["max_model_len"])
-    engine = LLMEngine(engine_config(app_args, model, dummy, method))
+    engine = new_engine(engine_config(app_args, model, dummy, method))
     try:
         warm_up_s = None if args.warm_up == "none" else warm_up(engine).seconds  # what a replica runs when it starts
         if args.warm_up == "scenario":
@@ -91,6 +93,8 @@ def run_offline(args: argparse.Namespace, app_args: dict, scenario: str, method:
                        prefill_step_ms=engine.config.prefill_step_ms, overlap_prefill=engine.streams is not None,
                        warm_up=args.warm_up, warm_up_s=warm_up_s,
                        peak_gpu_gib=peak_gpu_bytes() / 2**30, shadowkv=shadowkv, time_limit_s=args.time_limit_s,
+                       tensor_parallel_size=engine.config.tensor_parallel_size,
+                       host_cache_gib=engine.config.host_cache_gib,
                        unfinished=sum(r.error == UNFINISHED for r in records))
     finally:
         engine.close()

@@ -30,10 +30,15 @@ _PACE = "pace"  # rank 0's SlicePacer scale: every rank's next step slices its p
 WORKER_JOIN_S = 10.0  # how long close() waits for a worker to leave before ending it
 
 
+def new_engine(config: EngineConfig, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LLMEngine | TensorParallelEngine:
+    """The engine of one replica, not warmed up: an LLMEngine, or with tensor_parallel_size > 1 a
+    TensorParallelEngine."""
+    return LLMEngine(config) if config.tensor_parallel_size == 1 else TensorParallelEngine(config, timeout_s)
+
+
 def start_engine(config: EngineConfig, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LLMEngine | TensorParallelEngine:
-    """The engine of one replica: an LLMEngine, or with tensor_parallel_size > 1 a TensorParallelEngine; warmed up
-    (config.warm_up) before it is returned."""
-    engine = LLMEngine(config) if config.tensor_parallel_size == 1 else TensorParallelEngine(config, timeout_s)
+    """new_engine's engine, warmed up (config.warm_up) before it is returned."""
+    engine = new_engine(config, timeout_s)
     if choose(config.warm_up, torch.device(config.device).type == "cuda"):
         try:
             done = warm_up(engine)
