@@ -46,6 +46,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     return TensorParallel(rank, size)
 
 
+def leave_tensor_parallel(clean: bool) -> None:
+    """This process leaves the group. clean: every rank leaves at once, each through this call (NCCL's shutdown waits
+    for all of them, so a rank that first waits for its peers to exit never returns); otherwise a peer is lost, and
+    NCCL's communicators are aborted instead, which waits for no one."""
+    if not dist.is_initialized():
+        return
+    if clean or dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._abort_process_group()
+
+
 def rank_device(device: str, rank: int) -> torch.device:
     """Rank r of a CUDA replica runs on cuda:r; on the CPU every rank shares the host."""
     dev = torch.device(device)

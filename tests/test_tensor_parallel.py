@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from serve_app.engine_replica import engine_footprint
 from shadowkv_core import LLM, EngineConfig, LLMEngine, SamplingParams, ShadowKVConfig
 from shadowkv_core import memory_model as mm
+from shadowkv_core.engine import tensor_parallel
 from shadowkv_core.engine.cache_factory import HOST_HEADROOM, build_cache, host_cache_bytes
 from shadowkv_core.engine.tensor_parallel import TensorParallelEngine, start_engine
 from shadowkv_core.models import load_model
@@ -251,8 +252,31 @@ def test_two_ranks_warm_up_alike_and_then_give_one_ranks_tokens(tiny_path, caplo
     assert [got[str(i)] for i in range(len(prompts))] == want
 
 
-def test_a_rank_that_dies_fails_its_requests(tiny_path):
+def _record_leaving(monkeypatch, engine) -> list:
+    """The order in which rank 0 leaves the group (with its `clean` flag) and waits for its workers to exit."""
+    seen = []
+    leave, end = tensor_parallel.leave_tensor_parallel, engine._end_workers
+    monkeypatch.setattr(tensor_parallel, "leave_tensor_parallel", lambda clean: (seen.append(("leave", clean)),
+                                                                                   leave(clean)))
+    monkeypatch.setattr(engine, "_end_workers", lambda: (seen.append(("end_workers",)), end()))
+    return seen
+
+
+def test_rank_zero_leaves_the_group_beside_its_workers(tiny_path, monkeypatch):
+    """NCCL's shutdown of a group waits for every rank: rank 0 leaves while its workers leave theirs, then waits for
+    them to exit. Leaving after that wait (the worker is ended by then) never returned on GPUs."""
     engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, **ENGINE), timeout_s=20)
+    engine.add_request("a", _prompts()[0].tolist(), GREEDY)
+    engine.step()
+    seen = _record_leaving(monkeypatch, engine)
+    engine.close()
+    assert seen == [("leave", True), ("end_workers",)]
+    assert [w.exitcode for w in engine.workers] == [0]  # the worker left through its own stop, not terminated
+
+
+def test_a_rank_that_dies_fails_its_requests(tiny_path, monkeypatch):
+    engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, **ENGINE), timeout_s=20)
+    seen = _record_leaving(monkeypatch, engine)
     try:
         engine.add_request("a", _prompts()[0].tolist(), dataclasses.replace(GREEDY, max_tokens=80))
         for _ in range(3):
@@ -268,3 +292,4 @@ def test_a_rank_that_dies_fails_its_requests(tiny_path):
             engine.add_request("b", [1, 2, 3], GREEDY)
     finally:
         engine.close()
+    assert ("leave", False) in seen  # a lost peer: its communicators aborted, nobody waited for

@@ -14,11 +14,10 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import EngineConfig, choose
-from ..parallel import COLLECTIVE_TIMEOUT_S, init_tensor_parallel
+from ..parallel import COLLECTIVE_TIMEOUT_S, init_tensor_parallel, leave_tensor_parallel
 from .llm_engine import LLMEngine
 from .sequence import RequestOutput
 from .warm_up import warm_up
@@ -71,8 +70,7 @@ class TensorParallelEngine:
             self.engine = LLMEngine(config, self.tp)
         except Exception:
             self._end_workers()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_tensor_parallel(clean=False)
             raise
 
     def __getattr__(self, name: str):
@@ -134,16 +132,18 @@ class TensorParallelEngine:
             raise RuntimeError(f"a tensor-parallel rank failed: {self.error}")
 
     def close(self) -> None:
-        if self.error is None:
+        clean = self.error is None
+        if clean:
             for request_id in list(self.engine.requests):
                 self.abort(request_id)
             try:
                 self.tp.broadcast(self.pending + [(_STOP, ())])
             except Exception as exc:
                 logger.warning("tensor-parallel workers did not take the stop: %s", exc)
+                clean = False
         self.engine.close()
+        leave_tensor_parallel(clean)  # while the workers leave too, before waiting for them to exit
         self._end_workers()
-        dist.destroy_process_group()
 
     def _end_workers(self) -> None:
         for worker in self.workers:
@@ -163,7 +163,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, init_method: str, t
         for name, args in calls:
             if name == _STOP:
                 engine.close()
-                dist.destroy_process_group()
+                leave_tensor_parallel(clean=True)
                 return
             if name == _PACE:
                 engine.pacer.scale = args[0]
