@@ -128,12 +128,31 @@ def test_device_region_pages_write_and_gather_as_the_host(fp8):
         got = tiered.gather(layer, table, chunks, heads, 4)
         torch.testing.assert_close(got, plain.gather(layer, plain_table, chunks, heads, 4), rtol=0, atol=0)
     spare = [6, 1]  # copy a device page to a host page and a host page to a device page
-    tiered.copy_page(pages[0], spare[1])
-    tiered.copy_page(pages[2], spare[0])
+    tiered.copy_pages([pages[0], pages[2]], [spare[1], spare[0]])
     moved = torch.tensor([spare[1], pages[1], spare[0]])
     for layer in range(2):
         torch.testing.assert_close(tiered.gather(layer, moved, chunks[:3], heads[:3], 4),
                                    tiered.gather(layer, table, chunks[:3], heads[:3], 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_copied_pages_read_as_their_sources_between_every_pair_of_regions(fp8):
+    """One copy_pages call over device -> device, device -> host, host -> device and host -> host pages (two of some,
+    in an order their ids do not follow): each copy reads back exactly as its source, values and fp8 scales, and the
+    sources and a page neither side names are as they were."""
+    torch.manual_seed(3)
+    kw = dict(value_format="fp8", chunk_size=4) if fp8 else {}
+    store = make_store(num_pages=7, num_device_pages=6, **kw)
+    src, dst = [7, 8, 9, 1, 2, 3], [11, 10, 4, 12, 5, 6]  # device ids start at 7
+    store.write(slice(None), torch.tensor(src), 0, torch.randn(2, 48, 2, 4))
+    before = [t.clone() for t in (store.values, store.device_values)]
+    store.copy_pages(src, dst)
+    chunks, heads = torch.arange(12).repeat_interleave(2), torch.tensor([0, 1]).repeat(12)
+    for layer in range(2):
+        torch.testing.assert_close(store.gather(layer, torch.tensor(dst), chunks, heads, 4),
+                                   store.gather(layer, torch.tensor(src), chunks, heads, 4), rtol=0, atol=0)
+    for region, was, pages in ((store.values, before[0], [0, 1, 2, 3]), (store.device_values, before[1], [0, 1, 2])):
+        assert torch.equal(region[:, pages].view(torch.uint8), was[:, pages].view(torch.uint8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -255,8 +255,7 @@ class ShadowKVCache(KVCache):
         a, b = self.manager.seqs[src], self.manager.seqs[dst]
         self.slots.copy(a.slot, b.slot)
         self.gpu.copy(a.gpu_pages, b.gpu_pages)
-        for pa, pb in zip(a.value_pages, b.value_pages):
-            self.host.copy_page(pa, pb)
+        self.host.copy_pages(a.value_pages, b.value_pages)
         b.seq_len, b.window_len, b.num_shadow, b.num_outliers = a.seq_len, a.window_len, a.num_shadow, a.num_outliers
 
     def step_stats(self) -> dict[str, float]:

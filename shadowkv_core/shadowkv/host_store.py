@@ -54,14 +54,27 @@ class HostValueStore:
         self.device_scales = torch.zeros((num_layers, num_device_pages, *self.scales_shape[2:]), dtype=torch.float32,
                                          device=device) if self.fp8 else None
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Page src's values (every layer) into page dst, in whichever regions the two lie."""
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Pages src's values (every layer) into pages dst, in whichever regions each lies: one gather and one scatter
+        per pair of regions (host or device on either side), not a copy per page."""
         if self._written is not None:
             self._written.synchronize()
-        (src_values, src_scales, s), (dst_values, dst_scales, d) = self._page(src), self._page(dst)
-        dst_values[:, d] = src_values[:, s].to(dst_values.device)
-        if self.fp8:
-            dst_scales[:, d] = src_scales[:, s].to(dst_scales.device)
+        by_regions: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+        for s, d in zip(src, dst):
+            (_, _, i), (_, _, j) = self._page(s), self._page(d)
+            rows = by_regions.setdefault((s >= self.num_pages, d >= self.num_pages), ([], []))
+            rows[0].append(i)
+            rows[1].append(j)
+        for (from_device, to_device), (i, j) in by_regions.items():
+            pairs = [(self.device_values if from_device else self.values,
+                      self.device_values if to_device else self.values)]
+            if self.fp8:
+                pairs.append((self.device_scales if from_device else self.scales,
+                              self.device_scales if to_device else self.scales))
+            for a, b in pairs:
+                a, b = _as_bytes(a), _as_bytes(b)  # fp8 has no CPU index kernels; its bytes copy alike
+                rows = a.index_select(1, torch.tensor(i, device=a.device)).to(b.device)
+                b.index_copy_(1, torch.tensor(j, device=b.device), rows)
 
     def move_pages(self, src: list[int], dst: list[int]) -> None:
         """Host pages src into device pages dst (ids as the tables hold them), every layer: one asynchronous copy per
@@ -242,3 +255,8 @@ def page_runs(pages: list[int], start: int, n: int, page_rows: int) -> list[tupl
 
 def _unregister(region: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A view of a tensor of 1-byte elements as uint8 (the same storage); any other tensor as it is."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
