@@ -59,19 +59,15 @@ class HostValueStore:
         per pair of regions (host or device on either side), not a copy per page."""
         if self._written is not None:
             self._written.synchronize()
-        by_regions: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+        groups: dict[tuple[bool, bool], tuple[list, list[int], list[int]]] = {}  # by (src, dst) on the device
         for s, d in zip(src, dst):
-            (_, _, i), (_, _, j) = self._page(s), self._page(d)
-            rows = by_regions.setdefault((s >= self.num_pages, d >= self.num_pages), ([], []))
-            rows[0].append(i)
-            rows[1].append(j)
-        for (from_device, to_device), (i, j) in by_regions.items():
-            pairs = [(self.device_values if from_device else self.values,
-                      self.device_values if to_device else self.values)]
-            if self.fp8:
-                pairs.append((self.device_scales if from_device else self.scales,
-                              self.device_scales if to_device else self.scales))
-            for a, b in pairs:
+            (src_values, src_scales, i), (dst_values, dst_scales, j) = self._page(s), self._page(d)
+            regions = [(src_values, dst_values)] + ([(src_scales, dst_scales)] if self.fp8 else [])
+            group = groups.setdefault((s >= self.num_pages, d >= self.num_pages), (regions, [], []))
+            group[1].append(i)
+            group[2].append(j)
+        for regions, i, j in groups.values():
+            for a, b in regions:
                 a, b = _as_bytes(a), _as_bytes(b)  # fp8 has no CPU index kernels; its bytes copy alike
                 rows = a.index_select(1, torch.tensor(i, device=a.device)).to(b.device)
                 b.index_copy_(1, torch.tensor(j, device=b.device), rows)
