@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,9 @@ from .config import ShadowKVConfig
 from .models.spec import ModelSpec
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' collectives after this long
+# Workers wait for rank 0's next step as long as the replica idles; a lost peer still fails the wait at once (its
+# sockets close).
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +25,8 @@ class TensorParallel:
 
     rank: int
     size: int
+    control: dist.ProcessGroup | None = None  # gloo over the host, for broadcast: None in the default group
+
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place; a timeout or a lost peer raises (the step's requests then fail)."""
@@ -28,22 +34,34 @@ class TensorParallel:
         return x
 
     def broadcast(self, obj):
-        """Rank 0's obj on every rank."""
+        """Rank 0's obj on every rank, through the host: it neither waits for the work queued on the GPU (a step
+        still in flight) nor times out while rank 0 has nothing to send."""
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
                          timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
-    """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere."""
+    """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere, and a gloo group for rank 0's
+    broadcasts. This process's intra-op threads become its share of the host's CPUs (rank_threads)."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)  # NCCL's communicator for this rank binds the current device
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return TensorParallel(rank, size)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(rank_threads(len(os.sched_getaffinity(0)), size))
+    return TensorParallel(rank, size, control)
+
+
+def rank_threads(cpus: int, size: int) -> int:
+    """Intra-op threads of one of `size` ranks on `cpus` CPUs. Each rank defaults to every CPU, and N ranks' thread
+    pools then fight over them: a host op that goes parallel (a decode step's block table, once large enough) waits
+    for threads the other ranks hold."""
+    return max(1, cpus // size)
 
 
 def leave_tensor_parallel(clean: bool) -> None:

@@ -5,6 +5,7 @@ import io
 import os
 import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -293,3 +294,33 @@ def test_a_rank_that_dies_fails_its_requests(tiny_path, monkeypatch):
     finally:
         engine.close()
     assert ("leave", False) in seen  # a lost peer: its communicators aborted, nobody waited for
+
+
+def _threads(tp) -> tuple[int, int]:
+    return torch.get_num_threads(), len(os.sched_getaffinity(0))
+
+
+def test_ranks_split_the_hosts_cpus_between_their_thread_pools(monkeypatch):
+    """Each rank defaulted to a thread per CPU, so N ranks ran N times the host's CPUs; a host op large enough to go
+    parallel then waited on threads its peers held."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # an explicit setting is the user's and is kept
+    for threads, cpus in run_ranks(_threads, 2).values():
+        assert 1 <= threads and (threads * 2 <= cpus or threads == 1)
+
+
+def test_workers_wait_out_an_idle_replica(tiny_path):
+    """Between requests a worker waits for rank 0's next step, longer than any collective may take: that wait must
+    not time out (it did, through the group's collective timeout, and the replica's next request failed)."""
+    prompt = _prompts()[0].tolist()
+    want = LLM(model=tiny_path, **ENGINE).generate([prompt], GREEDY)[0].token_ids
+    engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, **ENGINE), timeout_s=2)
+    try:
+        engine.add_request("a", prompt, GREEDY)
+        outs = engine.step()
+        time.sleep(5)  # idle past the timeout, a step in flight
+        while engine.requests:
+            outs += engine.step()
+    finally:
+        engine.close()
+    assert engine.error is None
+    assert [o.token_ids for o in outs if o.finished] == [want]
