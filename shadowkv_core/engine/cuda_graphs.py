@@ -72,6 +72,12 @@ class DecodeGraphs:
         self.replays += 1
         return captured.logits.clone()
 
+    def clear(self) -> None:
+        """Drop every graph and their pool. A graph that captured a collective holds its process group: NCCL's
+        shutdown of the group waits on it for ever."""
+        self.graphs.clear()
+        self.pool = None
+
     def _capture(self, key: Hashable, input_ids: torch.Tensor, meta: AttentionMetadata,
                  tensors: list[torch.Tensor]) -> None:
         """Record the forward just run eagerly (its kernels compiled), over its own tensors, which the graph keeps.

@@ -477,6 +477,8 @@ class LLMEngine:
         self.drain_in_flight()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # slices and host-value copies still queued on any stream
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()  # before a tensor-parallel rank leaves its group (DecodeGraphs.clear)
         self.cache.close()
 
     def stats(self) -> dict[str, float]:
