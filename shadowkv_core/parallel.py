@@ -17,6 +17,7 @@ COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' col
 # Workers wait for rank 0's next step as long as the replica idles; a lost peer still fails the wait at once (its
 # sockets close).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+_threads_outside: list[int] = []  # this process's intra-op threads before it joined a group, restored on leaving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class TensorParallel:
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
                          timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
     """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere, and a gloo group for rank 0's
-    broadcasts. This process's intra-op threads become its share of the host's CPUs (rank_threads)."""
+    broadcasts. This process's intra-op threads become its share of the host's CPUs (rank_threads) until it leaves."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)  # NCCL's communicator for this rank binds the current device
@@ -53,6 +54,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
                             timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     if "OMP_NUM_THREADS" not in os.environ:
+        _threads_outside.append(torch.get_num_threads())
         torch.set_num_threads(rank_threads(len(os.sched_getaffinity(0)), size))
     return TensorParallel(rank, size, control)
 
@@ -74,6 +76,8 @@ def leave_tensor_parallel(clean: bool) -> None:
         dist.destroy_process_group()
     else:
         dist.distributed_c10d._abort_process_group()
+    if _threads_outside:  # rank 0 lives on in its caller's process
+        torch.set_num_threads(_threads_outside.pop())
 
 
 def rank_device(device: str, rank: int) -> torch.device:

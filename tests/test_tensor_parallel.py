@@ -308,6 +308,20 @@ def test_ranks_split_the_hosts_cpus_between_their_thread_pools(monkeypatch):
         assert 1 <= threads and (threads * 2 <= cpus or threads == 1)
 
 
+def test_rank_zero_gives_its_process_back_its_threads(tiny_path, monkeypatch):
+    """Rank 0 runs in its caller's process (a test run, a benchmark), which keeps running after the replica closes."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)  # a count no rank's share equals
+    try:
+        engine = TensorParallelEngine(EngineConfig(model=tiny_path, tensor_parallel_size=2, **ENGINE), timeout_s=20)
+        assert torch.get_num_threads() <= max(1, len(os.sched_getaffinity(0)) // 2)
+        engine.close()
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_workers_wait_out_an_idle_replica(tiny_path):
     """Between requests a worker waits for rank 0's next step, longer than any collective may take: that wait must
     not time out (it did, through the group's collective timeout, and the replica's next request failed)."""
