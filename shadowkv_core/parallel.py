@@ -28,7 +28,6 @@ class TensorParallel:
     size: int
     control: dist.ProcessGroup | None = None  # gloo over the host, for broadcast: None in the default group
 
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place; a timeout or a lost peer raises (the step's requests then fail)."""
         dist.all_reduce(x)

@@ -59,11 +59,11 @@ class HostValueStore:
         per pair of regions (host or device on either side), not a copy per page."""
         if self._written is not None:
             self._written.synchronize()
-        groups: dict[tuple[bool, bool], tuple[list, list[int], list[int]]] = {}  # by (src, dst) on the device
+        groups: dict[tuple[int, int], tuple[list, list[int], list[int]]] = {}  # by (src, dst) region
         for s, d in zip(src, dst):
             (src_values, src_scales, i), (dst_values, dst_scales, j) = self._page(s), self._page(d)
             regions = [(src_values, dst_values)] + ([(src_scales, dst_scales)] if self.fp8 else [])
-            group = groups.setdefault((s >= self.num_pages, d >= self.num_pages), (regions, [], []))
+            group = groups.setdefault((id(src_values), id(dst_values)), (regions, [], []))
             group[1].append(i)
             group[2].append(j)
         for regions, i, j in groups.values():
