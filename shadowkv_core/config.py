@@ -183,7 +183,8 @@ class EngineConfig:
     pipeline_decode: decode a batch of `pipeline_min_batch` or more in halves pipelined layer by layer
         (Decoder.forward_halves), so that one half's host value fetch runs under the other half's compute; ShadowKV
         only. It reads the weights twice per step, so it pays once the fetch is long enough to hide. auto: on CUDA
-        (elsewhere there are no side streams for a half's fetch to run on).
+        with tensor_parallel_size 1 (elsewhere there are no side streams for a half's fetch to run on; a rank of a
+        group fetches for its share of the KV heads only, too short to hide a second read of its weights).
     pipeline_min_batch: auto takes the measured break-even batch (docs/benchmarks.md): 8, or 16 with fp8 values.
     cuda_graphs: replay decode steps from CUDA graphs captured once per batch shape (engine/cuda_graphs.py): the same
         tokens as eager, without the per-kernel launch cost. auto: on CUDA.
