@@ -215,12 +215,15 @@ def test_a_run_past_its_time_limit_reports_what_it_finished(tmp_path):
 
 def test_figures_from_known_timings(tmp_path):
     """A hand-made run: two requests sent at 0 and 1 s, whose token events (some bringing several tokens, as a
-    streamed server's do) give figures worked out by hand; goodput under two sets of bounds."""
+    streamed server's do) give figures worked out by hand; goodput under two sets of bounds. A third, cut at the
+    time limit, counts only in the tokens streamed."""
     records = [
         {"request_id": "c0-t0", "conversation": 0, "turn": 0, "sent_s": 0.0, "prompt_tokens": 10,
          "events": [[0.5, 1], [0.6, 1], [0.9, 3]], "finish_reason": "length", "error": None},
         {"request_id": "c1-t0", "conversation": 1, "turn": 0, "sent_s": 1.0, "prompt_tokens": 20,
          "events": [[3.0, 2], [3.4, 2]], "finish_reason": "length", "error": None},
+        {"request_id": "c2-t0", "conversation": 2, "turn": 0, "sent_s": 0.0, "prompt_tokens": 30,
+         "events": [[0.2, 1], [3.9, 3]], "finish_reason": None, "error": "unfinished at the run's time limit"},
     ]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"rows": [{"scenario": "doc_qa", "method": "dense", "wall_s": 4.0,
@@ -232,7 +235,8 @@ def test_figures_from_known_timings(tmp_path):
     assert row["ttft_p50_s"] == pytest.approx(1.25) and row["ttft_p99_s"] == pytest.approx(0.5 + 1.5 * 0.99)
     assert row["itl_p50_ms"] == pytest.approx(100) and row["itl_p99_ms"] == pytest.approx(200)
     assert row["e2e_p50_s"] == pytest.approx((0.9 + 2.4) / 2)
-    assert (row["output_tok_s"], row["total_tok_s"]) == pytest.approx((9 / 4, 39 / 4))
+    assert (row["output_tok_s"], row["total_tok_s"], row["streamed_tok_s"]) == pytest.approx((9 / 4, 39 / 4, 13 / 4))
+    assert (row["requests"], row["errors"]) == (3, 1)
     assert row["requests_per_min"] == pytest.approx(30) and row["goodput_per_min"] == pytest.approx(15)  # only c0
     for bounds, goodput in (((3, 250), 30), ((3, 150), 15), ((3, 50), 0)):  # ITL p99: c0 100 ms, c1 200 ms
         run_module("benchmarks.workloads", "--resummarize", str(run), "--ttft-bound-s", str(bounds[0]),

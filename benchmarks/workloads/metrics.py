@@ -72,7 +72,9 @@ def meets(record: RequestRecord, ttft_bound_s: float, itl_bound_ms: float) -> bo
 def summarize(records: list[RequestRecord], wall_s: float, ttft_bound_s: float, itl_bound_ms: float) -> dict:
     """The run's figures: wall time, requests/min, output and total tok/s, TTFT p50/p90/p99 (and p50 of the turns
     after a conversation's first, which a prefix cache serves), ITL p50/p99 (ms), end-to-end p50/p99, goodput
-    (requests/min meeting both bounds), and the counts of errors."""
+    (requests/min meeting both bounds), and the counts of errors. Each figure counts the requests that completed,
+    but streamed_tok_s: every token streamed to a client, its request finished or not (a run cut at a time limit
+    still says how fast it decoded)."""
     done = [r for r in records if r.error is None]
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     later_ttft = [r.ttft_s for r in done if r.ttft_s is not None and r.turn > 0]
@@ -83,6 +85,7 @@ def summarize(records: list[RequestRecord], wall_s: float, ttft_bound_s: float, 
     return {
         "requests": len(records), "errors": len(records) - len(done), "wall_s": wall_s,
         "requests_per_min": len(done) * per_min, "output_tok_s": output / wall_s,
+        "streamed_tok_s": sum(r.output_tokens for r in records) / wall_s,
         "total_tok_s": (output + sum(r.prompt_tokens for r in done)) / wall_s,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "later_turns_ttft_p50_s": percentile(later_ttft, 50),
