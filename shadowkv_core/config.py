@@ -151,7 +151,8 @@ class EngineConfig:
     prefill_chunk_tokens: tokens computed at once inside a layer during prefill (bounds activation memory).
     max_prefill_tokens: prompt tokens admitted into one prefill job (one longer prompt still runs alone).
     prefill_step_tflop: the prefill work an engine step may run beside its decode step, in TFLOP estimated from the
-        geometry (models/prefill_cost.py: 2 per weight per token, attention per query-key pair): a long prompt's
+        geometry (models/prefill_cost.py: 2 per weight per token, attention per query-key pair; in a tensor-parallel
+        group each rank's, on its share of the geometry): a long prompt's
         prefill advances by slices of a layer (projection rows, attention query chunks, MLP rows) sized to it, so
         that the running decodes' inter-token latency stays near a step's; None: no limit (a whole prefill per
         step). With nothing decoding a prefill always runs whole. The default is about 20 ms at a few hundred
