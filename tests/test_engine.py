@@ -1,5 +1,4 @@
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -334,13 +333,12 @@ def test_a_tensor_parallel_rank_decodes_whole_batches_unless_asked(tiny_path):
     """pipeline_decode auto: on CUDA, one GPU's engine pipelines from the break-even batch, a rank of a group never
     (it reads its weights twice for a fetch of its share of the KV heads); asked for, a rank pipelines too."""
     fp8 = ShadowKVConfig(**SPARSE, value_format="fp8")
-    on_cuda = SimpleNamespace(device=torch.device("cuda"))  # the rule alone: no GPU is touched
     auto = EngineConfig(model=tiny_path, shadowkv=fp8)
-    assert LLMEngine._pipeline_min_batch(on_cuda, auto, 1) == 16
-    assert LLMEngine._pipeline_min_batch(on_cuda, auto, 4) == 0
+    assert LLMEngine.pipeline_min_batch(auto, cuda=True, size=1) == 16
+    assert LLMEngine.pipeline_min_batch(auto, cuda=True, size=4) == 0
     asked = EngineConfig(model=tiny_path, shadowkv=fp8, pipeline_decode=True)
-    assert LLMEngine._pipeline_min_batch(on_cuda, asked, 4) == 16
-    assert LLMEngine._pipeline_min_batch(on_cuda, EngineConfig(model=tiny_path, shadowkv=None), 1) == 0
+    assert LLMEngine.pipeline_min_batch(asked, cuda=True, size=4) == 16
+    assert LLMEngine.pipeline_min_batch(EngineConfig(model=tiny_path, shadowkv=None), cuda=True, size=1) == 0
 
 
 def test_next_finish_bounds_when_a_request_can_end(tiny_path):

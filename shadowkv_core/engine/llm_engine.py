@@ -80,7 +80,7 @@ class LLMEngine:
                                  self.model.rotary, self.max_model_len)
         cuda = self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, self.device,
-                                  pipeline_min_batch=self._pipeline_min_batch(config, size),
+                                  pipeline_min_batch=self.pipeline_min_batch(config, cuda, size),
                                   cuda_graphs=choose(config.cuda_graphs, cuda))
         self.streams = StepStreams(self.device) if choose(config.overlap_prefill, cuda and size == 1) else None
         self.scheduler = Scheduler(self.cache.manager, config.max_num_seqs, config.max_prefill_tokens,
@@ -101,12 +101,13 @@ class LLMEngine:
         self._prefill_s_per_token: float | None = None
         self._prefill_clock: tuple[float, bool] | None = None  # the job under way: (start, nothing decoded beside it)
 
-    def _pipeline_min_batch(self, config: EngineConfig, size: int) -> int:
+    @staticmethod
+    def pipeline_min_batch(config: EngineConfig, cuda: bool, size: int) -> int:
         """The smallest decode batch run in pipelined halves (EngineConfig.pipeline_decode, pipeline_min_batch;
         ShadowKV only); 0: none. With fp8 values a half's fetch is half as long, so it takes a larger batch to hide.
         A rank of `size` > 1 fetches the values of its share of the KV heads and reads its share of the weights twice:
         by default it decodes whole batches."""
-        if not choose(config.pipeline_decode, self.device.type == "cuda" and size == 1) or config.shadowkv is None:
+        if not choose(config.pipeline_decode, cuda and size == 1) or config.shadowkv is None:
             return 0
         return choose(config.pipeline_min_batch, 16 if config.shadowkv.value_format == "fp8" else 8)
 
