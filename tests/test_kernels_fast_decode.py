@@ -12,7 +12,9 @@ from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import Pools
 from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
+from shadowkv_core.shadowkv import fast_decode
 from shadowkv_core.shadowkv.cache import ShadowKVCache
+from shadowkv_core.shadowkv.fast_decode import FetchShape, fetch_shapes
 from shadowkv_core.shadowkv.quest import QuestScorer
 
 L, HQ, HKV, D = 2, 8, 2, 32
@@ -83,6 +85,51 @@ def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks
     for cache in caches:
         cache.close()
 
+
+
+def test_a_whole_batch_and_a_pipelined_half_fetch_with_their_own_grids(monkeypatch):
+    """Each decode plan knows whether it serves a pipelined half (AttentionMetadata.halves) and its value fetch takes
+    that forward's grid (ShadowKVCache.fetch_shapes: whole, half); a forward in halves attends as the reference."""
+    prompt_lens = (150, 61, 97, 88)
+    caches, rotary = _prefilled(torch.float32, DEVICE, prompt_lens, 2, 0, 0.3, value_format="fp8",
+                                landmark_format="fp8", landmark_kind="bounds")
+    caches[1].fetch_shapes = (FetchShape(None, 2, 4), FetchShape(None, 8, 4))
+    seen = []
+    real = fast_decode.fetch_values
+    monkeypatch.setattr(fast_decode, "fetch_values",
+                        lambda *args, **kw: seen.append(kw["misses_per_program"]) or real(*args, **kw))
+    ctx = list(prompt_lens)
+    positions = torch.tensor(ctx, device=DEVICE)
+    meta = AttentionMetadata(False, list(range(len(ctx))), [1] * len(ctx), ctx, positions)
+    halves = meta.halves()
+    assert [h.halved for h in halves] == [True, True] and not meta.halved
+    assert [h.seq_ids for h in halves] == [[0, 1], [2, 3]]
+    for layer in range(L):
+        q, k_pre, v = (torch.randn(len(ctx), h, D, device=DEVICE) for h in (HQ, HKV, HKV))
+        k_rot = rotary.apply(k_pre, positions)
+        q = rotary.apply(q, positions)
+        ref = caches[0].attend(layer, q, k_pre, k_rot, v, meta)
+        got = torch.cat([caches[1].attend(layer, q[rows], k_pre[rows], k_rot[rows], v[rows], h)
+                         for h, rows in zip(halves, (slice(0, 2), slice(2, 4)))])
+        assert_close(got, ref, torch.float32, f"layer {layer}, in halves")
+    assert [plan.halved for _, plan in caches[1]._plans.values()] == [True, True]
+    assert seen == [8] * 2 * L
+    for cache in caches:
+        cache.finish_forward(meta)
+    _forward(caches, rotary, [1] * len(ctx), [n + 1 for n in ctx], False, torch.float32, DEVICE)
+    assert seen == [8] * 2 * L + [2] * L
+    for cache in caches:
+        cache.close()
+
+
+@pytest.mark.parametrize("value_format,share,half", [("model", 0.0, (8, 32, 4)), ("fp8", 0.0, (66, 4, 8)),
+                                                     ("model", 0.5, (66, 4, 8))])
+def test_fetch_shapes_give_a_whole_batch_the_full_grid_on_cuda(value_format, share, half):
+    """On CUDA a whole batch's fetch runs one program per 4 misses, a pipelined half's its capped grid; off CUDA
+    both run one program per work item of the half's misses."""
+    config = ShadowKVConfig(value_format=value_format, device_value_share=share)
+    assert fetch_shapes(config, torch.device("cuda", 0)) == (FetchShape(None, 4, 8), FetchShape(*half))
+    assert fetch_shapes(config, torch.device("cpu")) == (FetchShape(None, *half[1:]),) * 2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_format,fast_share,landmarks,kind", [

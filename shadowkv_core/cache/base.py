@@ -73,6 +73,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence in this forward
     context_lens: list[int]  # tokens already cached per sequence before this forward
     positions: torch.Tensor  # (T,) int64: absolute position of every token
+    halved: bool = False  # one of a forward's two pipelined halves (halves())
     _halves: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -87,11 +88,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
-    def subset(self, index: list[int], positions: torch.Tensor) -> AttentionMetadata:
+    def subset(self, index: list[int], positions: torch.Tensor, halved: bool = False) -> AttentionMetadata:
         """The forward of the sequences at `index` (batch order kept); positions: their tokens' (T_subset,)."""
         return AttentionMetadata(self.is_prefill, [self.seq_ids[i] for i in index],
                                  [self.query_lens[i] for i in index], [self.context_lens[i] for i in index],
-                                 positions)
+                                 positions, halved)
 
     def halves(self) -> tuple[AttentionMetadata, AttentionMetadata]:
         """The batch's first and second halves of sequences (tokens follow their sequences), for a forward whose two
@@ -100,8 +101,8 @@ class AttentionMetadata:
         if self._halves is None:
             h = self.num_seqs // 2
             rows = sum(self.query_lens[:h])
-            self._halves = (self.subset(list(range(h)), self.positions[:rows]),
-                            self.subset(list(range(h, self.num_seqs)), self.positions[rows:]))
+            self._halves = (self.subset(list(range(h)), self.positions[:rows], halved=True),
+                            self.subset(list(range(h, self.num_seqs)), self.positions[rows:], halved=True))
         return self._halves
 
 

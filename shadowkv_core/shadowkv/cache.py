@@ -19,7 +19,7 @@ from shadowkv_core.memory_model import Pools
 from shadowkv_core.numa import NumaPlacement
 from shadowkv_core.shadowkv.counters import StepCounts
 from shadowkv_core.shadowkv.decode import decode_layer
-from shadowkv_core.shadowkv.fast_decode import (begin_decode_layer, end_decode_layer, fetch_shape,
+from shadowkv_core.shadowkv.fast_decode import (begin_decode_layer, end_decode_layer, fetch_shapes,
                                                 landmark_top_chunks)
 from shadowkv_core.shadowkv.host_store import HostValueStore
 from shadowkv_core.shadowkv.manager import SequenceState, ShadowKVManager
@@ -55,7 +55,7 @@ class ShadowKVCache(KVCache):
                              for _ in range(2)) if self.device.type == "cuda" else None
         # a cold prefill's key factorisation (prefill.start_factorization), beside the layer's attention slices
         self.build_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
-        self.fetch_shape = fetch_shape(config, self.device)
+        self.fetch_shapes = fetch_shapes(config, self.device)
         self.page_tables = PageTables(self.device)
         self.manager.on_move = self._move_values
         # selection-policy hook (quest.QuestScorer, baselines.StreamingScorer, baselines.SnapKVScorer): prefill(),
@@ -101,7 +101,7 @@ class ShadowKVCache(KVCache):
         held = self._plans.get(id(meta))
         if held is None or held[0] is not meta:
             plan = DecodePlan.build(self._states(meta), self.config, self.rotary, self.page_tables,
-                                    self.spec.num_kv_heads)
+                                    self.spec.num_kv_heads, meta.halved)
             held = self._plans[id(meta)] = (meta, plan)
         return held[1]
 

@@ -65,9 +65,11 @@ class DecodePlan:
     # over layers (read once, after the step)
     buffers: list[torch.Tensor]  # the device tensors built for the plan: every tensor above is one or a view of one
     states: tuple[SequenceState, ...]  # the batch's host bookkeeping (a selection policy scores by it)
+    halved: bool  # one of a forward's two pipelined halves (AttentionMetadata.halved)
 
     @staticmethod
-    def build(states: list[SequenceState], config, rotary, page_tables: PageTables, num_kv_heads: int) -> DecodePlan:
+    def build(states: list[SequenceState], config, rotary, page_tables: PageTables, num_kv_heads: int,
+              halved: bool = False) -> DecodePlan:
         dev, C, budget = page_tables.device, config.chunk_size, config.budget_chunks
         selected = [max(min(budget, st.num_shadow - st.num_outliers), 0) for st in states]
         window = [st.window_len + 1 for st in states]
@@ -92,7 +94,7 @@ class DecodePlan:
             inv_freq=inv_freq, n_max=triton.next_power_of_2(max(max(st.num_shadow for st in states), 1)),
             k_max=max(selected), max_len=triton.next_power_of_2(max_keys),
             num_selections=sum(selected) * num_kv_heads, counters=counters,
-            buffers=[ints, small, tables, inv_freq, counters], states=tuple(states))
+            buffers=[ints, small, tables, inv_freq, counters], states=tuple(states), halved=halved)
 
     @property
     def misses(self) -> torch.Tensor:
