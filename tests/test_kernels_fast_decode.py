@@ -14,7 +14,7 @@ from shadowkv_core.memory_model import Pools
 from shadowkv_core.shadowkv.baselines import ChunkOracleScorer, SnapKVScorer, StreamingScorer
 from shadowkv_core.shadowkv import fast_decode
 from shadowkv_core.shadowkv.cache import ShadowKVCache
-from shadowkv_core.shadowkv.fast_decode import FetchShape, fetch_shapes
+from shadowkv_core.shadowkv.fast_decode import FetchShape, FetchShapes, fetch_shapes
 from shadowkv_core.shadowkv.quest import QuestScorer
 
 L, HQ, HKV, D = 2, 8, 2, 32
@@ -86,14 +86,13 @@ def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks
         cache.close()
 
 
-
 def test_a_whole_batch_and_a_pipelined_half_fetch_with_their_own_grids(monkeypatch):
     """Each decode plan knows whether it serves a pipelined half (AttentionMetadata.halves) and its value fetch takes
     that forward's grid (ShadowKVCache.fetch_shapes: whole, half); a forward in halves attends as the reference."""
     prompt_lens = (150, 61, 97, 88)
     caches, rotary = _prefilled(torch.float32, DEVICE, prompt_lens, 2, 0, 0.3, value_format="fp8",
                                 landmark_format="fp8", landmark_kind="bounds")
-    caches[1].fetch_shapes = (FetchShape(None, 2, 4), FetchShape(None, 8, 4))
+    caches[1].fetch_shapes = FetchShapes(whole=FetchShape(None, 2, 4), half=FetchShape(None, 8, 4))
     seen = []
     real = fast_decode.fetch_values
     monkeypatch.setattr(fast_decode, "fetch_values",
@@ -128,8 +127,8 @@ def test_fetch_shapes_give_a_whole_batch_the_full_grid_on_cuda(value_format, sha
     """On CUDA a whole batch's fetch runs one program per 4 misses, a pipelined half's its capped grid; off CUDA
     both run one program per work item of the half's misses."""
     config = ShadowKVConfig(value_format=value_format, device_value_share=share)
-    assert fetch_shapes(config, torch.device("cuda", 0)) == (FetchShape(None, 4, 8), FetchShape(*half))
-    assert fetch_shapes(config, torch.device("cpu")) == (FetchShape(None, *half[1:]),) * 2
+    assert fetch_shapes(config, torch.device("cuda", 0)) == FetchShapes(FetchShape(None, 4, 8), FetchShape(*half))
+    assert fetch_shapes(config, torch.device("cpu")) == FetchShapes(*(FetchShape(None, *half[1:]),) * 2)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_format,fast_share,landmarks,kind", [

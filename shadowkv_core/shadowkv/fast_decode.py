@@ -34,19 +34,26 @@ class FetchShape(NamedTuple):
     warps: int
 
 
-def fetch_shapes(config: ShadowKVConfig, device: torch.device) -> tuple[FetchShape, FetchShape]:
-    """(a whole batch's shape, a pipelined half's). A half's fetch runs beside the other half's layer and leaves it
-    multiprocessors: with values in the model's dtype a few persistent programs of many misses each move the whole
-    host-to-device bandwidth; fp8 values, and values partly in the device region (whose misses would wait behind a
-    program's host ones), go faster with more programs of few misses. A whole batch's fetch has only its layer's key
-    rebuild beside it (queued first): on CUDA one program per few misses keeps the most reads in flight.
+class FetchShapes(NamedTuple):
+    """The value fetch's shape for a whole batch's forward and for a pipelined half's (DecodePlan.halved)."""
+
+    whole: FetchShape
+    half: FetchShape
+
+
+def fetch_shapes(config: ShadowKVConfig, device: torch.device) -> FetchShapes:
+    """A pipelined half's fetch runs beside the other half's layer and leaves it multiprocessors: with values in the
+    model's dtype a few persistent programs of many misses each move the whole host-to-device bandwidth; fp8 values,
+    and values partly in the device region (whose misses would wait behind a program's host ones), go faster with
+    more programs of few misses. A whole batch's fetch has only its layer's key rebuild beside it (queued first): on
+    CUDA one program per few misses keeps the most reads in flight.
     docs/benchmarks.md has the measurements behind each shape."""
     few = config.value_format == "fp8" or config.device_value_share > 0
     programs, misses, warps = (66, 4, 8) if few else (8, 32, 4)
     if device.type != "cuda":
         half = FetchShape(None, misses, warps)
-        return half, half
-    return FetchShape(None, 4, 8), FetchShape(programs, misses, warps)
+        return FetchShapes(half, half)
+    return FetchShapes(FetchShape(None, 4, 8), FetchShape(programs, misses, warps))
 
 
 @dataclass
@@ -133,7 +140,8 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
 
 def fetch_misses(cache, layer: int, plan: DecodePlan, misses: tuple) -> None:
     """fetch_values of a layer's miss lists (chunks, slots, count) into its sparse value slots."""
-    region, shape = cache.host.device_region(layer), cache.fetch_shapes[plan.halved]
+    shapes = cache.fetch_shapes
+    region, shape = cache.host.device_region(layer), shapes.half if plan.halved else shapes.whole
     fetch_values(cache.host.values[layer], plan.value_table, *misses, plan.slot_ids, cache.slots.sparse_v[:, layer],
                  cache.config.chunk_size, misses_per_program=shape.misses_per_program,
                  host_scales=cache.host.scales_of(layer), max_programs=shape.programs, num_warps=shape.warps,
