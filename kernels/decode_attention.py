@@ -25,11 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import MIN_HEAD_DIM
+from kernels import MIN_HEAD_DIM, sm_count
 from kernels.fp8 import e4m3_to, fp16_query, paired_e4m3
 from kernels.online_softmax import online_softmax_step
 
-_NUM_SMS: dict[int, int] = {}
 # The pipeliner spends one stage on each block's page-table load before its keys and values; from five stages on it
 # keeps two key and value buffers in flight instead of one.
 FP8_STAGES = 5
@@ -165,15 +164,12 @@ def decode_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.T
     G = Hq // Hkv
     segments = list(segments) + [(segments[0][0], segments[0][1], torch.zeros_like(slot_ids))] * (3 - len(segments))
     # Enough splits to give every multiprocessor a few programs, whatever the batch.
-    if q.device.index not in _NUM_SMS:
-        _NUM_SMS[q.device.index] = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                                    if q.is_cuda else 1)
     fp8 = kv_dtype != q.dtype
     block_n = block_n or (128 if fp8 else 64)
     blocks = triton.next_power_of_2(triton.cdiv(max_len, block_n))  # bucketed: few distinct SPLITS_PAD
     if split_tokens is None:
         per_sm = programs_per_sm or (16 if fp8 else 4)
-        split_tokens = block_n * triton.cdiv(blocks * B * Hkv, per_sm * _NUM_SMS[q.device.index])
+        split_tokens = block_n * triton.cdiv(blocks * B * Hkv, per_sm * sm_count(q.device))
     split_tokens = min(split_tokens, block_n * blocks)
     assert split_tokens % block_n == 0
     num_splits = triton.cdiv(blocks * block_n, split_tokens)

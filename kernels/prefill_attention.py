@@ -19,13 +19,13 @@ Shapes (B sequences, Hq = Hkv * G query heads, d head_dim):
                  sequence with at least as many keys as queries
   lse            (total_q, Hq) fp32, natural log of each query's softmax denominator (optional output)
 """
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import sm_count
 from kernels.online_softmax import online_softmax_step
 
 HEAD_DIMS = (64, 128)
@@ -139,11 +139,6 @@ def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, total_q, stri
         tl.store(lse_ptr + rows * stride_lt + hq, m + tl.log(l), mask=valid)
 
 
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_q_heads: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, device: torch.device,
                       block_m: int = 128, block_n: int = 64, num_sms: int | None = None) -> int:
     """The key splits prefill_attention picks for its grid of P = num_q_heads * cdiv(max_seqlen_q, block_m) * batch
@@ -152,7 +147,7 @@ def choose_num_splits(num_q_heads: int, batch: int, max_seqlen_q: int, max_seqle
     (block_n * MIN_BLOCKS_PER_SPLIT)), with wave efficiency E(S) = (P S / num_sms) / ceil(P S / num_sms), the
     smallest S with E(S) >= 0.85 max E (flash-attention's heuristic)."""
     if num_sms is None:
-        num_sms = _sm_count(torch.device(device)) if torch.device(device).type == "cuda" else 1
+        num_sms = sm_count(torch.device(device))
     programs = num_q_heads * triton.cdiv(max_seqlen_q, block_m) * batch
     limit = min(MAX_SPLITS, max_seqlen_k // (block_n * MIN_BLOCKS_PER_SPLIT))
     if 5 * programs >= 4 * num_sms or limit < 2:
