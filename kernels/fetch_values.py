@@ -9,8 +9,8 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   host_table   (B, max_pages) int32         host page of each logical page of each sequence (on the GPU)
   miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
   slot_ids     (B,) int32
-  value_slots  (N, Hkv, K*C, d) out         one layer of the slots' sparse values (stride over N free, inner dims
-                                            contiguous); only the missed slots are written
+  value_slots  (N, Hkv, K*C, d) out         one layer of the slots' sparse values (channels contiguous, other
+                                            strides free); only the missed slots are written
   host_scales  (P, PAGE_TOKENS/C, Hkv) fp32 optional: host_values are then float8_e4m3fn, dequantised here as
                                             fp32 value * its chunk's scale, rounded once to value_slots' dtype
   device_region                             optional (device_values, device_scales or None, device_hits): a second
@@ -29,7 +29,7 @@ import triton.language as tl
 def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits_ptr, table_ptr, miss_chunks_ptr,
                          miss_slots_ptr, num_miss_ptr, slot_ptr, out_ptr, num_items, blocks, num_host_pages,
                          stride_hp, stride_ht, stride_sp, stride_sc, stride_tb, stride_mb, stride_mh, stride_nb,
-                         stride_on, stride_oh,
+                         stride_on, stride_oh, stride_ot,
                          NUM_HEADS: tl.constexpr, CHUNK: tl.constexpr,
                          PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, MISSES_PER_PROGRAM: tl.constexpr,
                          FP8: tl.constexpr, TIERED: tl.constexpr):
@@ -70,7 +70,7 @@ def _fetch_values_kernel(host_ptr, scales_ptr, dev_ptr, dev_scales_ptr, dev_hits
                                                      other=0.0), scale)
                 vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
             vals = vals.to(out_ptr.dtype.element_ty)
-            dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK) * HEAD_DIM
+            dst = slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_r % CHUNK).to(tl.int64) * stride_ot
             tl.store(out_ptr + dst[:, None] + offs_d[None, :], vals, mask=r_mask[:, None])
 
 
@@ -109,7 +109,7 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
         assert dev_values.stride() == host_values.stride() and dev_scales.stride() == host_scales.stride()
     assert d == triton.next_power_of_2(d)
     assert host_values.stride(3) == 1 and host_values.stride(2) == d and host_values.stride(1) == Hkv * d
-    assert value_slots.stride(3) == 1 and value_slots.stride(2) == d
+    assert value_slots.stride(3) == 1
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous() and num_miss.shape == (B, Hkv)
     assert num_miss.is_contiguous()
     assert host_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
@@ -122,6 +122,6 @@ def fetch_values(host_values: torch.Tensor, host_table: torch.Tensor, miss_chunk
         slot_ids, value_slots, num_items, blocks, P,
         host_values.stride(0), host_values.stride(1), host_scales.stride(0), host_scales.stride(1),
         host_table.stride(0), miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0),
-        value_slots.stride(0), value_slots.stride(1),
+        value_slots.stride(0), value_slots.stride(1), value_slots.stride(2),
         NUM_HEADS=Hkv, CHUNK=chunk_size, PAGE_TOKENS=page_tokens, HEAD_DIM=d,
         MISSES_PER_PROGRAM=misses_per_program, FP8=fp8, TIERED=device_region is not None, num_warps=num_warps)

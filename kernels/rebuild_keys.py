@@ -9,7 +9,8 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
   inv_freq     (B, ROTARY_DIM/2) fp32       each sequence's RoPE frequencies (stride over B may be 0: shared)
   miss_chunks, miss_slots (B, Hkv, K) int32 from assign_slots; entries j < num_miss (B, Hkv) int32 count
   slot_ids     (B,) int32
-  key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (stride over N free, rest contiguous)
+  key_slots    (N, Hkv, K*C, d) out         one layer of the slots' sparse keys (channels contiguous, other strides
+                                           free: a prefix read writes (P, Hkv, d) rows through a transposed view)
   landmarks    (P, PAGE_TOKENS/C, Hkv, d or 2d)  optional (ShadowKVConfig.landmark_rebuild): one layer's landmarks; each
                rebuilt chunk then meets its landmark (mean: shifted so that its mean is the landmark; bounds: each
                key clamped into them), reference.meet_landmarks; landmark_scales (P, PAGE_TOKENS/C, Hkv) fp32 for
@@ -47,7 +48,7 @@ def _meet_landmark(x, centre, half, KIND: tl.constexpr, MISS_BLOCK: tl.constexpr
 def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr,
                          slot_ptr, out_ptr, lm_ptr, lm_scale_ptr, attention_factor,
                          stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
-                         stride_nb, stride_on, stride_oh, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc,
+                         stride_nb, stride_on, stride_oh, stride_ot, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc,
                          CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
                          BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
@@ -104,7 +105,7 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
             half2 = tl.load(lm + HEAD_DIM + second[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
         out1 = _meet_landmark(out1, centre1, half1, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
         out2 = _meet_landmark(out2, centre2, half2, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
-    dst = out_ptr + slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_m % CHUNK)[:, None] * HEAD_DIM
+    dst = out_ptr + slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_m % CHUNK).to(tl.int64)[:, None] * stride_ot
     tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
     tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -126,7 +127,7 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
     assert 2 * rot_half <= d and d == triton.next_power_of_2(d) and inv_freq.shape[0] == B
     assert u_pages.dtype == sv.dtype == key_slots.dtype and inv_freq.dtype == torch.float32
     assert u_pages.is_contiguous() and inv_freq.stride(1) == 1
-    assert sv.stride(3) == 1 and sv.stride(2) == d and key_slots.stride(3) == 1 and key_slots.stride(2) == d
+    assert sv.stride(3) == 1 and sv.stride(2) == d and key_slots.stride(3) == 1
     assert miss_chunks.is_contiguous() and miss_slots.is_contiguous()
     assert page_table.dtype == miss_chunks.dtype == miss_slots.dtype == num_miss.dtype == slot_ids.dtype == torch.int32
     assert page_table.stride(1) == 1 and page_table.shape[0] == B and slot_ids.shape == (B,)
@@ -145,7 +146,7 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
         u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, lm, scales,
         attention_factor,
         u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
-        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
+        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1), key_slots.stride(2),
         lm.stride(0), lm.stride(1), lm.stride(2), scales.stride(0), scales.stride(1),
         CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
         INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,

@@ -612,7 +612,7 @@ def test_an_adopted_prefix_on_the_kernels_equals_the_reference_path_bf16(tiny_pa
 def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     """On the kernels an adopted prefix's values come through the decode path's fetch kernel, every chunk of every
     KV head a miss (prefill.fetch_prefix_values), from host pages and device-region pages: what the host gather
-    reads."""
+    reads, written in place into the first rows of a prompt's (tokens, Hkv, d) values and nothing past them."""
     torch.manual_seed(5)
     C, page, Hkv, d = 4, 16, 2, 32
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU, in Triton's interpreter
@@ -625,7 +625,9 @@ def test_an_adopted_prefix_read_by_the_fetch_kernel_equals_the_gather(fp8):
     st = SimpleNamespace(gpu_table=torch.zeros(1, dtype=torch.int64, device=device), value_table=table)
     n = 4 * page // C  # the first four pages' chunks
     for layer in range(2):
-        got = fetch_prefix_values(cache, layer, st, Hkv, n)  # (Hkv, n*C, d)
+        values = torch.full((n * C + 3, Hkv, d), 7.0, dtype=torch.float16, device=device)  # 3 suffix rows
+        fetch_prefix_values(cache, layer, st, Hkv, n, values[:n * C])
         want = store.gather(layer, table, torch.arange(n).repeat(Hkv), torch.arange(Hkv).repeat_interleave(n), C)
-        torch.testing.assert_close(got.cpu(), want.view(Hkv, n * C, d), rtol=0, atol=0)
+        torch.testing.assert_close(values[:n * C].cpu(), want.view(Hkv, n * C, d).transpose(0, 1), rtol=0, atol=0)
+        assert (values[n * C:] == 7.0).all()
     store.close()

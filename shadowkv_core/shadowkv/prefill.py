@@ -177,8 +177,8 @@ def prefix_keys_values(cache, layer: int, st: SequenceState, keys: torch.Tensor,
     device = st.gpu_table.device
     Hkv, n = slots.sv[layer].shape[1], P // C
     if cache.spec.kernels:
-        keys.copy_(rebuild_prefix_keys(cache, layer, st, n).transpose(0, 1))
-        values.copy_(fetch_prefix_values(cache, layer, st, Hkv, n).transpose(0, 1))
+        rebuild_prefix_keys(cache, layer, st, n, keys)
+        fetch_prefix_values(cache, layer, st, Hkv, n, values)
     else:
         positions = torch.arange(P, device=device)
         u = cache.gpu.read_u(layer, st.gpu_table, positions)  # (P, r)
@@ -216,38 +216,35 @@ def every_chunk(num_kv_heads: int, n: int, device) -> tuple[torch.Tensor, torch.
     return ints, torch.full((1, num_kv_heads), n, dtype=torch.int32, device=device)
 
 
-def rebuild_prefix_keys(cache, layer: int, st: SequenceState, n: int) -> torch.Tensor:
-    """Keys (Hkv, n*C, d) of the first n chunks of a sequence, rebuilt by the decode path's fused kernel (U rows
-    times the slot's SV, RoPE at their true positions, onto their landmarks where configured): every prefix
-    position rotated with one set of frequencies, the reader's (rope_lens)."""
+def rebuild_prefix_keys(cache, layer: int, st: SequenceState, n: int, out: torch.Tensor) -> None:
+    """Keys of the first n chunks of a sequence into out (n*C, Hkv, d), rebuilt by the decode path's fused kernel (U
+    rows times the slot's SV, RoPE at their true positions, onto their landmarks where configured): every prefix
+    position rotated with one set of frequencies, the reader's (rope_lens). The kernel writes out's rows in place,
+    through a (1, Hkv, n*C, d) view: no copy between layouts."""
     C, device = cache.config.chunk_size, st.gpu_table.device
     sv = cache.slots.sv[layer][st.slot:st.slot + 1]  # (1, Hkv, r, d): the output's one slot
     Hkv, d = sv.shape[1], sv.shape[3]
     ints, num_miss = every_chunk(Hkv, n, device)
     first = torch.zeros(1, dtype=torch.int64, device=device)
     inv_freq = cache.rotary.frequencies(first, rope_lens(cache, st, first)).float().reshape(1, -1)
-    out = torch.empty(1, Hkv, n * C, d, dtype=sv.dtype, device=device)
     landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
                  "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
     rebuild_keys(cache.gpu.u[layer], st.gpu_table[None].to(torch.int32), sv, inv_freq, cache.rotary.attention_factor,
-                 cache.rotary.interleaved, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32, device=device), out,
-                 C, **landmarks)
-    return out[0]
+                 cache.rotary.interleaved, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32, device=device),
+                 out.transpose(0, 1)[None], C, **landmarks)
 
 
-def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int) -> torch.Tensor:
-    """Values (Hkv, n*C, d) of the first n chunks of a sequence, every KV head, read on the device by the decode
-    path's fetch kernel: every chunk a miss, straight from the pinned host pages (and the device region's) at PCIe
-    speed, with no host gather or staging copy."""
+def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int, out: torch.Tensor) -> None:
+    """Values of the first n chunks of a sequence, every KV head, into out (n*C, Hkv, d), read on the device by the
+    decode path's fetch kernel: every chunk a miss, straight from the pinned host pages (and the device region's) at
+    PCIe speed, with no host gather or staging copy, written in place as rebuild_prefix_keys writes keys."""
     C, device = cache.config.chunk_size, st.gpu_table.device
     ints, num_miss = every_chunk(num_kv_heads, n, device)
-    out = torch.empty(1, num_kv_heads, n * C, cache.host.shape[-1], dtype=cache.host.dtype, device=device)
     region = cache.host.device_region(layer)
     table = to_device(st.value_table[None], torch.int32, device)
     fetch_values(cache.host.values[layer], table, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32,
-                 device=device), out, C, host_scales=cache.host.scales_of(layer),
+                 device=device), out.transpose(0, 1)[None], C, host_scales=cache.host.scales_of(layer),
                  device_region=None if region is None else (*region, torch.zeros(1, dtype=torch.int32, device=device)))
-    return out[0]
 
 
 def make_up_outliers(cache, layer: int, st: SequenceState, k_rot: torch.Tensor, v: torch.Tensor,
