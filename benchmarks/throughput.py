@@ -237,7 +237,7 @@ def run_engine(run: dict, method: str, batches: list[int], profile_at: set[int])
             row.update(fetch_figures(stats) if cfg is not None else {})
             if tp > 1:
                 row["tensor_parallel_size"] = tp
-            elif batch in profile_at:
+            elif batch in profile_at and args.profile_steps:
                 row["breakdown_ms"] = step_breakdown.profile_steps(engine, args.profile_steps, device == "cuda")
             rows.append(row)
             print_table([row], COLUMNS)
@@ -425,7 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=["dense", "shadowkv", "hf"], choices=METHODS)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     parser.add_argument("--warmup-steps", type=int, default=2, help=">= 1: a timed step starts at the one before's end")
-    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="steps under torch.profiler at the batches profiled (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="what each sequence reserves")
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' sampling (default: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -42,6 +42,16 @@ def test_hf_static_cache_decodes_the_same_tokens_as_its_dynamic_cache(tmp_path):
     assert saved["honest"] and done.returncode == 0, done.stderr[-2000:]
 
 
+def test_no_profiled_steps_profile_nothing(tmp_path):
+    """--profile-steps 0 times every batch and profiles none (it divided by zero steps and lost the method's rows)."""
+    out = tmp_path / "t.json"
+    run_module("benchmarks.throughput", *RUN, "--profile-steps", "0", "--steps", "1", "--max-batch", "2", "--methods",
+               "shadowkv", "--out", str(out), timeout_s=600)
+    saved = json.loads(out.read_text())
+    assert not saved["failures"] and {r["batch"] for r in saved["rows"]} == {1, 2}
+    assert not any("breakdown_ms" in r for r in saved["rows"])
+
+
 def test_script_writes_rows_summary_and_plot(run):
     root, saved = run
     assert not saved["failures"] and saved["environment"]["command"]
