@@ -108,7 +108,7 @@ def _scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, num_parts, st
 
 
 MAX_BLOCKS_PER_PROGRAM = 4
-PROGRAMS_PER_SM = 8  # below this many programs a multiprocessor, one block a program
+PROGRAMS_PER_SM = 2  # below this many programs a multiprocessor, one block a program
 
 
 def blocks_per_program(programs: int, num_sms: int) -> int:
