@@ -15,8 +15,8 @@ scored against their [q, |q|] query; P pages of PAGE_CHUNKS chunks, n_max chunks
                                                q enters the fp16 dot scaled by a power of two (kernels/fp8.py)
 Two launches: the first writes each block's logits (B, Hq, n_max) and, per program (a few consecutive blocks, their
 loads pipelined), its softmax partials (max, sum of exp) per query head; the second combines the partials of all
-programs and writes the scores. A single pass would read the
-landmarks twice (softmax needs the global max before normalising, and the group max comes after normalising).
+programs and writes the scores. A single pass would read the landmarks twice (softmax needs the global max before
+normalising, and the group max comes after normalising).
 Outliers are flagged on the pages beside their landmarks: one byte read beside each landmark is cheaper than comparing
 every chunk with a list of its sequence's outlier ids (docs/benchmarks.md has the measurement).
 """

@@ -48,7 +48,8 @@ def _meet_landmark(x, centre, half, KIND: tl.constexpr, MISS_BLOCK: tl.constexpr
 def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr,
                          slot_ptr, out_ptr, lm_ptr, lm_scale_ptr, attention_factor,
                          stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
-                         stride_nb, stride_on, stride_oh, stride_ot, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc,
+                         stride_nb, stride_on, stride_oh, stride_ot, stride_lp, stride_lc, stride_lh, stride_sp,
+                         stride_sc,
                          CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
                          ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
                          BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
@@ -105,7 +106,8 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr
             half2 = tl.load(lm + HEAD_DIM + second[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
         out1 = _meet_landmark(out1, centre1, half1, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
         out2 = _meet_landmark(out2, centre2, half2, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
-    dst = out_ptr + slot * stride_on + h * stride_oh + (slot_chunk * CHUNK + offs_m % CHUNK).to(tl.int64)[:, None] * stride_ot
+    row = (slot_chunk * CHUNK + offs_m % CHUNK).to(tl.int64)  # (ROWS,) of the slot's K*C
+    dst = out_ptr + slot * stride_on + h * stride_oh + row[:, None] * stride_ot
     tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
     tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -146,7 +148,8 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
         u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, lm, scales,
         attention_factor,
         u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
-        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1), key_slots.stride(2),
+        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
+        key_slots.stride(2),
         lm.stride(0), lm.stride(1), lm.stride(2), scales.stride(0), scales.stride(1),
         CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
         INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,
