@@ -7,6 +7,7 @@ the last batch once more under torch.profiler: its kernels' device time by name 
 (cudaStreamSynchronize calls).
 
     PYTHONPATH=. python -m benchmarks.suffix_prefill [--prefix 122880] [--readers 1 14] [--suffix 400 125] [--profile]
+        [--shadowkv-set value_format=fp8 ...] [--prefill-step-tflop none]
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.report import print_table, write_json
-from benchmarks.workloads.runs import engine_config, model_dir, warm_up
+from benchmarks.workloads.runs import (AS_CONFIGURED, engine_config, model_dir, number_or_none,
+                                      shadowkv_overridden, warm_up)
 from shadowkv_core import LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
 
@@ -39,11 +41,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's slots (the config's is replaced)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="CUDA: profile the last batch once more")
+    parser.add_argument("--shadowkv-set", nargs="+", default=None, metavar="FIELD=VALUE",
+                        help="override fields of the config's shadowkv (ShadowKVConfig), e.g. value_format=fp8")
+    parser.add_argument("--prefill-step-tflop", type=number_or_none, default=AS_CONFIGURED,
+                        help="override the config's engine.prefill_step_tflop; none: each prompt prefilled whole")
     parser.add_argument("--out", default="suffix_prefill.json", help="relative paths land in benchmarks/results/")
     args = parser.parse_args(argv)
     if len(args.readers) != len(args.suffix):
         parser.error(f"--readers and --suffix pair up: {len(args.readers)} against {len(args.suffix)} values")
     return args
+
+
+def app_args(args: argparse.Namespace) -> dict:
+    """The Serve config's application args with the command line's overrides; a refused --shadowkv-set exits."""
+    app = {**yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"],
+           "max_num_seqs": args.max_num_seqs}
+    if args.prefill_step_tflop is not AS_CONFIGURED:
+        app["engine"] = {**app.get("engine", {}), "prefill_step_tflop": args.prefill_step_tflop}
+    if args.shadowkv_set:
+        try:
+            app = shadowkv_overridden(app, args.shadowkv_set)
+        except ValueError as error:
+            raise SystemExit(f"suffix_prefill: {error}") from None
+    return app
 
 
 def first_tokens(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
@@ -71,8 +91,7 @@ def profiled(engine: LLMEngine, prompts: list[list[int]]) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    app = {**yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"],
-           "max_num_seqs": args.max_num_seqs}
+    app = app_args(args)
     model, dummy = model_dir(args.model, app["max_model_len"])
     engine = LLMEngine(engine_config(app, model, dummy, "shadowkv"))
     try:
@@ -99,7 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         engine.close()
     path = write_json(args.out, rows, config=args.config, model=args.model, prefix=args.prefix,
-                      max_num_seqs=args.max_num_seqs, profile=profile_of)
+                      max_num_seqs=args.max_num_seqs, shadowkv=app.get("shadowkv"),
+                      prefill_step_tflop=app.get("engine", {}).get("prefill_step_tflop"), profile=profile_of)
     print(f"wrote {path}")
     print_table(rows, COLUMNS)
     return rows

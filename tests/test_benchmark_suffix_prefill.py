@@ -24,3 +24,21 @@ def test_readers_and_suffixes_must_pair_up(tmp_path):
     result = run_module("benchmarks.suffix_prefill", "--readers", "1", "2", "--suffix", "5", check=False,
                         timeout_s=120)
     assert result.returncode != 0 and "pair up" in result.stderr
+
+
+def test_suffix_prefill_with_the_workloads_overrides(tmp_path):
+    """--shadowkv-set and --prefill-step-tflop as the workload benchmark takes them: the engine serves the formats
+    set (fp8 values and landmarks) with whole prefills, and the JSON says so; a field ShadowKVConfig lacks is refused
+    before any engine starts."""
+    out = tmp_path / "suffix_prefill.json"
+    run_module("benchmarks.suffix_prefill", "--config", "configs/local.yaml", "--model", "tiny", "--prefix", "1200",
+               "--readers", "2", "--suffix", "9", "--max-num-seqs", "4", "--shadowkv-set", "value_format=fp8",
+               "landmark_format=fp8", "--prefill-step-tflop", "none", "--out", str(out), timeout_s=300)
+    saved = json.loads(out.read_text())
+    assert saved["shadowkv"]["value_format"] == saved["shadowkv"]["landmark_format"] == "fp8"
+    assert saved["prefill_step_tflop"] is None
+    cold, two = saved["rows"]
+    assert cold["hit_tokens"] == 0 and 0 < two["hit_tokens"] <= 2 * 1200 and two["hit_tokens"] % 2 == 0
+    refused = run_module("benchmarks.suffix_prefill", "--config", "configs/local.yaml", "--model", "tiny",
+                         "--shadowkv-set", "no_such_field=1", check=False, timeout_s=120)
+    assert refused.returncode != 0 and "no_such_field" in refused.stderr

@@ -25,12 +25,12 @@ import yaml
 
 from benchmarks.report import print_table, write_json
 from shadowkv_core import memory_model as mm
-from shadowkv_core.config import shadowkv_from
 from shadowkv_core.models.geometry import model_spec
 
 from .metrics import RequestRecord, summarize
 from .plots import plot
-from .runs import ENGINES, METHODS, model_dir, offline_runs
+from .runs import (AS_CONFIGURED, ENGINES, METHODS, model_dir, number_or_none, offline_runs,
+                   shadowkv_overridden)
 from .scenarios import SCENARIOS, describe, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,13 +52,6 @@ def resummarize(path: str, ttft_bound_s: float | None, itl_bound_ms: float | Non
     return rows
 
 
-_AS_CONFIGURED = object()  # an override left out: the config's own value (not a string: argparse parses those)
-
-
-def _number_or_none(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--driver", choices=("offline", "online"), default="offline")
@@ -71,10 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="override the config's engine.enable_prefix_caching (default: as configured)")
-    parser.add_argument("--prefill-step-tflop", type=_number_or_none, default=_AS_CONFIGURED,
+    parser.add_argument("--prefill-step-tflop", type=number_or_none, default=AS_CONFIGURED,
                         help="override the config's engine.prefill_step_tflop, the prefill work beside each decode "
                         "step; none: each prompt prefilled whole in one step (throughput before inter-token latency)")
-    parser.add_argument("--prefill-step-ms", type=_number_or_none, default=_AS_CONFIGURED,
+    parser.add_argument("--prefill-step-ms", type=number_or_none, default=AS_CONFIGURED,
                         help="override the config's engine.prefill_step_ms, the step time a paced prefill budget aims "
                         "at; none: a fixed budget")
     parser.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -122,21 +115,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def shadowkv_overridden(app_args: dict, settings: list[str]) -> dict:
-    """app_args with its shadowkv's fields (a preset's or its own) changed by FIELD=VALUE settings, each value read
-    as YAML; a field ShadowKVConfig lacks, a value it refuses or a config without shadowkv raises ValueError."""
-    if app_args.get("shadowkv") is None:
-        raise ValueError("--shadowkv-set: the config serves dense attention (its shadowkv is empty)")
-    fields = dict(vars(shadowkv_from(app_args["shadowkv"])))
-    for setting in settings:
-        name, equals, value = setting.partition("=")
-        if not equals or name not in fields:
-            raise ValueError(f"--shadowkv-set {setting!r}: FIELD=VALUE with FIELD one of {sorted(fields)}")
-        fields[name] = yaml.safe_load(value)
-    shadowkv_from(fields)  # refused values fail here, before any engine starts
-    return {**app_args, "shadowkv": fields}
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.resummarize:
@@ -152,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                ("host_cache_gib", args.host_cache_gib)) if value is not None}
     overrides.update({key: value for key, value in (("prefill_step_tflop", args.prefill_step_tflop),
                                                     ("prefill_step_ms", args.prefill_step_ms))
-                      if value is not _AS_CONFIGURED})
+                      if value is not AS_CONFIGURED})
     app_args = {**app_args, "engine": {**app_args.get("engine", {}), **overrides}}
     if args.shadowkv_set:
         try:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import yaml
 
 from benchmarks.throughput import geometry_config, run_isolated
 from shadowkv_core import EngineConfig, LLMEngine, SamplingParams
 from shadowkv_core import memory_model as mm
-from shadowkv_core.config import engine_fields
+from shadowkv_core.config import engine_fields, shadowkv_from
 from shadowkv_core.engine.tensor_parallel import new_engine
 from shadowkv_core.engine.warm_up import warm_up, warm_up_prompt
 from shadowkv_core.models.geometry import TINY, model_spec, write_config, write_geometry
@@ -52,6 +53,28 @@ def method_args(app_args: dict, model: str, dummy: bool, method: str) -> dict:
     if method in ("dense", "dense_fp8"):
         args["shadowkv"] = None
     return args
+
+
+AS_CONFIGURED = object()  # an override left out: the config's own value (not a string: argparse parses those)
+
+
+def number_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
+def shadowkv_overridden(app_args: dict, settings: list[str]) -> dict:
+    """app_args with its shadowkv's fields (a preset's or its own) changed by FIELD=VALUE settings, each value read
+    as YAML; a field ShadowKVConfig lacks, a value it refuses or a config without shadowkv raises ValueError."""
+    if app_args.get("shadowkv") is None:
+        raise ValueError("--shadowkv-set: the config serves dense attention (its shadowkv is empty)")
+    fields = dict(vars(shadowkv_from(app_args["shadowkv"])))
+    for setting in settings:
+        name, equals, value = setting.partition("=")
+        if not equals or name not in fields:
+            raise ValueError(f"--shadowkv-set {setting!r}: FIELD=VALUE with FIELD one of {sorted(fields)}")
+        fields[name] = yaml.safe_load(value)
+    shadowkv_from(fields)  # refused values fail here, before any engine starts
+    return {**app_args, "shadowkv": fields}
 
 
 def engine_config(app_args: dict, model: str, dummy: bool, method: str) -> EngineConfig:
