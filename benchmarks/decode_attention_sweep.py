@@ -1,10 +1,13 @@
 """Sweep of the dense paged decode attention kernel (kernels/decode_attention.py) over its launches, for its bf16
 pool and its fp8 pool (issue #29), in one run: Llama-3.1-8B geometry by default (32 query heads, 8 KV heads, head
-dim 128), 16-token pages in a shuffled block table, every sequence `--context` keys, at each `--batch`.
+dim 128), pages in a shuffled block table (`--page`, default each pool's engine default: 16 tokens for bf16, 64 for
+fp8), every sequence `--context` keys, at each `--batch`.
 
-Variants (VARIANTS): the bf16 pool; the fp8 pool with one scale per token and KV head, stored (Hkv, rows) as the
-dense cache stores them. The fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots) were measured
-and removed: docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json.
+Variants (VARIANTS): the bf16 pool (kernels.decode_attention); the fp8 pool with one scale per token and KV head,
+stored (Hkv, rows), and values stored a page at a time (pages, Hkv, d, page), as the dense cache stores them
+(kernels.paged_fp8_decode_attention). The fp8 kernel's other variants (per-page scales, e4m3 dots, keys-major dots,
+token-major values) were measured and removed: docs/benchmarks.md, benchmarks/results/decode_attention_fp8_variants.json
+and fp8_decode_experiments/.
 Each variant's launches: block_n x programs per SM x num_warps at the kernel's default num_stages, then num_stages at
 its best of those. Every launch is first checked against the reference (fp32, the variant's dequantised
 pool) on the first `--check-seqs` sequences (max_err: max |difference| over max |reference|, at most TOLERANCE;
@@ -38,11 +41,11 @@ from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from benchmarks.report import print_table, write_json  # noqa: E402
-from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.decode_attention import decode_attention, paged_fp8_decode_attention  # noqa: E402
+from shadowkv_core.config import default_block_size  # noqa: E402
 from shadowkv_core.shadowkv.batched_reference import dense_decode_attention_batched  # noqa: E402
 from shadowkv_core.shadowkv.reference import quantize_values  # noqa: E402
 
-PAGE = 16
 VARIANTS = ("bf16", "fp8")
 TOLERANCE = 2e-2  # max |difference| over max |reference| allowed: q's dtype rounds the dequantised keys and values
 
@@ -51,38 +54,42 @@ class Pools:
     """One batch's pools (rows, Hkv, d): bf16 keys and values, their fp8 copies with per-token scales, and the
     reference's inputs for the first sequences."""
 
-    def __init__(self, args, batch: int, device: str, dtype: torch.dtype):
+    def __init__(self, args, batch: int, device: str, dtype: torch.dtype, page: int):
         g = torch.Generator(device=device).manual_seed(batch)
         Hkv, d, ctx = args.kv_heads, args.head_dim, args.context
-        pages = -(-ctx // PAGE)
+        pages = -(-ctx // page)
         num_blocks = batch * pages
+        self.page = page
         self.table = torch.randperm(num_blocks, device=device, generator=g).int().view(batch, pages)
-        self.k, self.v = (torch.randn(num_blocks * PAGE, Hkv, d, device=device, generator=g).to(dtype) for _ in "kv")
+        self.k, self.v = (torch.randn(num_blocks * page, Hkv, d, device=device, generator=g).to(dtype) for _ in "kv")
         self.q = torch.randn(batch, args.q_heads, d, device=device, generator=g).to(dtype)
         self.lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.fp8 = (quantize_values(self.k, 1), quantize_values(self.v, 1))  # scales (rows, Hkv)
         self.batch, self.ctx, self.Hkv, self.d = batch, ctx, Hkv, d
         self._bf16_reference: dict[int, torch.Tensor] = {}
 
-    def kwargs(self, variant: str) -> dict:
+    def attention(self, variant: str, **launch):
+        """The variant's kernel over this batch's pool, at the launch given: a callable."""
         if variant == "bf16":
-            return dict(segments=[(self.k.permute(1, 0, 2)[None], self.v.permute(1, 0, 2)[None], self.lens)])
+            return functools.partial(decode_attention, self.q, [(self.k.permute(1, 0, 2)[None],
+                                     self.v.permute(1, 0, 2)[None], self.lens)], torch.zeros_like(self.lens),
+                                     self.d ** -0.5, self.ctx, page_table=self.table, page_size=self.page, **launch)
         (k8, ks), (v8, vs) = self.fp8
-        ks, vs = ks.T.contiguous(), vs.T.contiguous()  # (Hkv, rows): the dense cache's layout
-        return dict(segments=[(k8.permute(1, 0, 2)[None], v8.permute(1, 0, 2)[None], self.lens)],
-                    scales=(ks[None], vs[None]))
+        v_pages = v8.view(-1, self.page, self.Hkv, self.d).permute(0, 2, 3, 1).contiguous()  # the cache's layouts
+        return functools.partial(paged_fp8_decode_attention, self.q, k8, v_pages, (ks.T.contiguous(),
+                                 vs.T.contiguous()), self.lens, self.table, self.d ** -0.5, self.ctx, **launch)
 
     def reference(self, variant: str, n: int) -> torch.Tensor:
         """fp32 attention of the first n sequences over the variant's (dequantised) pool, on their pages only."""
         pages = self.table[:n].flatten().long()
-        rows = (pages[:, None] * PAGE + torch.arange(PAGE, device=pages.device)).flatten()
+        rows = (pages[:, None] * self.page + torch.arange(self.page, device=pages.device)).flatten()
         table = torch.arange(len(pages), dtype=torch.int32, device=pages.device).view(n, -1)
         if variant == "bf16":
             k, v, scales = self.k[rows].float(), self.v[rows].float(), None
         else:
             (k8, ks), (v8, vs) = self.fp8
             k, v, scales = k8[rows], v8[rows], (ks[rows], vs[rows])
-        return dense_decode_attention_batched(self.q[:n].float(), k, v, table, self.lens[:n], PAGE,
+        return dense_decode_attention_batched(self.q[:n].float(), k, v, table, self.lens[:n], self.page,
                                               self.d ** -0.5, scales=scales)
 
     def bf16_reference(self, n: int) -> torch.Tensor:
@@ -108,15 +115,14 @@ def _time(fn, args) -> float:
 
 def _measure(pools: Pools, variant: str, expected: torch.Tensor, args, block_n: int, per_sm: int, num_warps: int,
              num_stages: int | None) -> dict:
-    row = dict(variant=variant, batch=pools.batch, block_n=block_n, per_sm=per_sm, num_warps=num_warps,
-               num_stages=num_stages or "default")
-    fn = functools.partial(decode_attention, pools.q, slot_ids=torch.zeros_like(pools.lens), scale=pools.d ** -0.5,
-                           max_len=pools.ctx, page_table=pools.table, page_size=PAGE, block_n=block_n,
-                           programs_per_sm=per_sm, num_warps=num_warps, num_stages=num_stages,
-                           **pools.kwargs(variant))
+    row = dict(variant=variant, batch=pools.batch, page=pools.page, block_n=block_n, per_sm=per_sm,
+               num_warps=num_warps, num_stages=num_stages or "default")
+    launch = dict(block_n=block_n, programs_per_sm=per_sm, num_warps=num_warps)
+    fn = pools.attention(variant, **launch if num_stages is None else launch | dict(num_stages=num_stages))
     try:
         got = fn()[:len(expected)].float()
-    except (OutOfResources, CompilationError, RuntimeError) as e:  # a launch the GPU cannot hold, or Triton's passes
+    except (OutOfResources, CompilationError, RuntimeError, AssertionError) as e:  # a launch the GPU cannot hold,
+        # Triton's passes, or a block that does not cover whole pages
         print(f"{variant} batch {pools.batch} {row}: does not compile ({type(e).__name__}: {str(e)[:200]})")
         return dict(row, error=f"{type(e).__name__}: {str(e)[:200]}")
     diff = (got - expected).abs()
@@ -146,8 +152,9 @@ def sweep(args, device: str, dtype: torch.dtype, save) -> list[dict]:
     """Every variant at every batch; save(rows) after each, so that a run cut short keeps what it measured."""
     rows, start = [], time.perf_counter()
     for batch in args.batch:
-        pools = Pools(args, batch, device, dtype)
         for variant in args.variants:
+            pools = Pools(args, batch, device, dtype, args.page or default_block_size("fp8" if variant == "fp8"
+                                                                                       else "auto"))
             expected = pools.reference(variant, min(args.check_seqs, batch))
             measured = [_measure(pools, variant, expected, args, block_n, per_sm, warps, None)
                         for block_n in args.block_n for per_sm in args.per_sm for warps in args.num_warps]
@@ -164,7 +171,7 @@ def sweep(args, device: str, dtype: torch.dtype, save) -> list[dict]:
                 print(f"{variant} batch {batch}: best {best['ms']:.3f} ms ({best['gbps']:.0f} GB/s) at block_n "
                       f"{best['block_n']}, {best['per_sm']}/SM, {best['num_warps']} warps, {best['num_stages']} "
                       f"stages ({time.perf_counter() - start:.0f} s in)", flush=True)
-        del pools
+            del pools
     return rows
 
 
@@ -175,6 +182,7 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page", type=int, default=None, help="tokens a page (default: the engine's for the pool)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -198,7 +206,7 @@ def main() -> None:
     rows = sweep(args, device, dtype, save)
     path = save(rows)
     print(f"\n{path} ({time.perf_counter() - start:.0f} s)")
-    print_table(best_launches(rows), ["variant", "batch", "ms", "gbps", "block_n", "per_sm", "num_warps",
+    print_table(best_launches(rows), ["variant", "batch", "page", "ms", "gbps", "block_n", "per_sm", "num_warps",
                                       "num_stages", "max_err", "rel_err", "err_vs_bf16"])
 
 

@@ -23,6 +23,12 @@ def _require_auto_or(name: str, value, kinds: tuple[type, ...], what: str, check
     _require(value == AUTO or (typed and check(value)), f"{name} must be 'auto' or {what}, got {value!r}")
 
 
+def default_block_size(kv_cache_dtype: str) -> int:
+    """Tokens per dense cache block when EngineConfig.block_size is auto: 64 for an fp8 cache (its decode kernel
+    reads a block's values of one dimension as a whole 64-byte run: docs/benchmarks.md), 16 otherwise."""
+    return 64 if kv_cache_dtype == "fp8" else 16
+
+
 def choose(value, default):
     """An option's value: `default` (what this device does best) where it reads "auto", else the value given."""
     return default if value == AUTO else value
@@ -172,6 +178,8 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" draws random ones (speed runs at full size).
     kv_cache_dtype: how the dense cache keeps keys and values: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32
         scale per token and KV head: about half the bytes of a block, so about twice the dense sequences).
+    block_size: tokens per dense cache block (and per prefix-cache entry); auto: 64 with an fp8 cache, 16 otherwise
+        (default_block_size).
     tensor_parallel_size: ranks (GPUs of one host) a replica's model is split over (parallel.py); each rank holds its
         share of the heads and its own cache of them, so the memory model counts one rank's bytes.
     enable_prefix_caching: keep the full KV blocks of finished prefills and ended sequences, indexed by their tokens,
@@ -217,7 +225,7 @@ class EngineConfig:
     prefill_step_ms: float | None = None
     prefill_attention: str = AUTO
     max_waiting: int = 256
-    block_size: int = 16
+    block_size: int | str = AUTO
     seed: int = 0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -260,7 +268,9 @@ class EngineConfig:
                  f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require_auto_or("block_size", self.block_size, (int,), "an integer >= 1", lambda v: v >= 1)
+        if self.block_size == AUTO:
+            object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(isinstance(self.enable_prefix_caching, bool),

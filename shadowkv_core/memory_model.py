@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import AUTO, KV_CACHE_DTYPES, LANDMARK_KINDS, VALUE_FORMATS, ShadowKVConfig
+from .config import AUTO, KV_CACHE_DTYPES, LANDMARK_KINDS, VALUE_FORMATS, ShadowKVConfig, default_block_size
 
 INDEX_BYTES = 8  # int64 chunk ids in a slot
 FP8_SCALE_BYTES = 4  # fp32 scale of one chunk (dense cache: one token) of one KV head's fp8 values
@@ -100,15 +100,17 @@ def load_geometry(model: str, dtype_bytes: int = 2) -> Geometry:
 
 
 # ---- dense ---------------------------------------------------------------------------------------------------
-def dense_block_bytes(g: Geometry, block_size: int) -> int:
-    """K and V of block_size tokens, every layer: in the model's dtype, or fp8 plus an fp32 scale per token and KV
-    head."""
+def dense_block_bytes(g: Geometry, block_size: int | None = None) -> int:
+    """K and V of block_size tokens (None: the engine's default for the cache's dtype), every layer: in the model's
+    dtype, or fp8 plus an fp32 scale per token and KV head."""
+    block_size = block_size or default_block_size(g.kv_cache_dtype)
     if g.kv_cache_dtype == "fp8":
         return 2 * g.num_layers * block_size * (g.kv_width + g.num_kv_heads * FP8_SCALE_BYTES)
     return 2 * g.num_layers * block_size * g.kv_width * g.dtype_bytes
 
 
-def dense_seq_bytes(g: Geometry, tokens: int, block_size: int) -> int:
+def dense_seq_bytes(g: Geometry, tokens: int, block_size: int | None = None) -> int:
+    block_size = block_size or default_block_size(g.kv_cache_dtype)
     return math.ceil(tokens / block_size) * dense_block_bytes(g, block_size)
 
 
@@ -178,7 +180,7 @@ def shadow_seq_bytes(g: Geometry, cfg: ShadowKVConfig, tokens: int) -> SeqBytes:
 
 
 def seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
-              block_size: int = 16) -> SeqBytes:
+              block_size: int | None = None) -> SeqBytes:
     """What one sequence of `context` prompt tokens and up to `max_new_tokens` generated ones holds."""
     tokens = context + max_new_tokens
     if cfg is None or cfg.stays_dense(context, max_new_tokens):
@@ -199,7 +201,7 @@ class Pools:
     num_host_pages: int
     num_device_value_pages: int = 0
 
-    def gpu_bytes(self, g: Geometry, cfg: ShadowKVConfig | None, block_size: int) -> int:
+    def gpu_bytes(self, g: Geometry, cfg: ShadowKVConfig | None, block_size: int | None = None) -> int:
         if cfg is None:
             return self.num_dense_blocks * dense_block_bytes(g, block_size)
         shadow = (self.num_slots * slot_bytes(g, cfg) + self.num_gpu_pages * gpu_page_bytes(g, cfg)
@@ -220,11 +222,12 @@ class Pools:
 
 
 def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, max_num_seqs: int,
-               block_size: int = 16) -> Pools:
+               block_size: int | None = None) -> Pools:
     """Split a cache budget: a dense engine takes it all in blocks. A ShadowKV engine takes max_num_seqs slots,
     dense blocks for max_num_seqs sequences of min_context tokens (those stay dense), and with the rest GPU shadow
     pages and, for device_value_share, as many device value pages as sequences holding all those shadow pages
     need; host pages as many as its host budget holds."""
+    block_size = block_size or default_block_size(g.kv_cache_dtype)
     block = dense_block_bytes(g, block_size)
     if cfg is None:
         return Pools(0, gpu_bytes // block, 0, 0)
@@ -238,7 +241,7 @@ def plan_pools(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_byt
 
 
 def pool_budget_for(g: Geometry, cfg: ShadowKVConfig, batch: int, context: int, max_new_tokens: int,
-                    block_size: int = 16) -> tuple[int, int]:
+                    block_size: int | None = None) -> tuple[int, int]:
     """(GPU, host) cache budgets whose pools hold exactly `batch` ShadowKV sequences of this shape (the pool's
     device value pages are its share of all its pages, rounded down once: see capacity)."""
     need = engine_seq_bytes(g, cfg, context, max_new_tokens, block_size)
@@ -330,14 +333,15 @@ def fixed_gpu_bytes(g: Geometry, cfg: ShadowKVConfig | None, max_prompt_tokens: 
             + decode_workspace_bytes(g, max_num_seqs) + context_bytes)
 
 
-def reserved_seq_bytes(g: Geometry, cfg: ShadowKVConfig, block_size: int = 16) -> int:
+def reserved_seq_bytes(g: Geometry, cfg: ShadowKVConfig, block_size: int | None = None) -> int:
     """What every sequence of a ShadowKV engine holds on the GPU, long or short: a slot and a dense reservation for
     min_context tokens (plan_pools)."""
+    block_size = block_size or default_block_size(g.kv_cache_dtype)
     return slot_bytes(g, cfg) + math.ceil(cfg.min_context / block_size) * dense_block_bytes(g, block_size)
 
 
 def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_new_tokens: int,
-                     block_size: int = 16) -> SeqBytes:
+                     block_size: int | None = None) -> SeqBytes:
     """What one more sequence costs an engine sized for it: in a ShadowKV engine each of max_num_seqs holds a slot
     and a dense reservation for a short sequence (plan_pools), plus pages when it is long."""
     if cfg is None:
@@ -350,7 +354,7 @@ def engine_seq_bytes(g: Geometry, cfg: ShadowKVConfig | None, context: int, max_
 
 
 def capacity(g: Geometry, cfg: ShadowKVConfig | None, gpu_bytes: int, host_bytes: int, contexts: list[int],
-             max_new_tokens: int, chunk_tokens: int = 8192, block_size: int = 16) -> int:
+             max_new_tokens: int, chunk_tokens: int = 8192, block_size: int | None = None) -> int:
     """How many sequences of the given context mix (repeated in turn) a replica holds in its GPU and host bytes,
     after the fixed cost of weights and the largest prefill."""
     free_gpu = gpu_bytes - fixed_gpu_bytes(g, cfg, max(contexts), chunk_tokens, max_num_seqs=0)

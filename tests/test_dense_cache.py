@@ -6,6 +6,7 @@ import torch
 from shadowkv_core.attention import attention_ref
 from shadowkv_core.cache.base import AttentionMetadata, CacheSpec
 from shadowkv_core.cache.dense import DenseKVCache
+from shadowkv_core.config import EngineConfig
 from shadowkv_core.shadowkv.reference import FP8_MAX, dequantize_tokens, quantize_values
 
 HQ, HKV, D = 4, 2, 16
@@ -117,8 +118,9 @@ def test_fp8_cache_attends_within_e4m3_error_of_full_attention(use_kernels):
         given[sid] = keys, values
     for sid, (keys, values) in given.items():
         rows = cache.manager.token_rows(sid, 0, cache.manager.lengths[sid])
-        for kept, scales, exact in ((cache.k, cache.k_scales, keys), (cache.v, cache.v_scales, values)):
-            held = dequantize_tokens(kept[0, rows], scales[0, :, rows].T, torch.float32)  # scales (L, Hkv, rows)
+        for kept, scales, exact in ((cache.k[0, rows], cache.k_scales, keys),
+                                    (cache.stored_values(0, rows), cache.v_scales, values)):
+            held = dequantize_tokens(kept, scales[0, :, rows].T, torch.float32)  # scales (L, Hkv, rows)
             assert ((held - exact).abs() <= e4m3_error(exact) + 1e-7).all()
 
 
@@ -132,8 +134,8 @@ def test_fp8_append_into_a_partly_filled_block_leaves_its_tokens_untouched():
     rows = cache.manager.token_rows(0, 0, 2)
 
     def held():  # copies: indexed by a tensor of rows
-        return [cache.k[0, rows].view(torch.uint8), cache.v[0, rows].view(torch.uint8), cache.k_scales[0, :, rows],
-                cache.v_scales[0, :, rows]]
+        return [cache.k[0, rows].view(torch.uint8), cache.stored_values(0, rows).view(torch.uint8),
+                cache.k_scales[0, :, rows], cache.v_scales[0, :, rows]]
 
     before = held()
     meta = AttentionMetadata(False, [0], [1], [2], torch.tensor([2]))
@@ -156,10 +158,52 @@ def test_fp8_copy_sequence_copies_values_and_scales():
     src, dst = cache.manager.token_rows(2, 0, length), cache.manager.token_rows(5, 0, length)
     assert not set(src.tolist()) & set(dst.tolist())
     for layer in range(2):
-        for kept, scales in ((cache.k, cache.k_scales), (cache.v, cache.v_scales)):  # scales (L, Hkv, rows)
-            assert torch.equal(kept[layer, dst].view(torch.uint8), kept[layer, src].view(torch.uint8))
+        assert torch.equal(cache.k[layer, dst].view(torch.uint8), cache.k[layer, src].view(torch.uint8))
+        assert torch.equal(cache.stored_values(layer, dst).view(torch.uint8),
+                           cache.stored_values(layer, src).view(torch.uint8))
+        for scales in (cache.k_scales, cache.v_scales):  # (L, Hkv, rows)
             assert torch.equal(scales[layer, :, dst], scales[layer, :, src])
     assert not torch.equal(cache.k_scales[0, :, src], torch.ones_like(cache.k_scales[0, :, src]))  # layer 0 written
+
+
+def test_fp8_values_are_stored_a_block_at_a_time_each_dimension_s_tokens_contiguous():
+    """(L, blocks, Hkv, d, block_size): the decode kernel's layout; stored_values reads the token rows back."""
+    cache = make_cache(num_blocks=4, block_size=4, kv_cache_dtype="fp8")
+    assert cache.v.shape == (2, 4, HKV, D, 4) and cache.k.shape == (2, 16, HKV, D)
+    cache.manager.allocate(0, 6, 0)
+    meta = AttentionMetadata(True, [0], [6], [0], torch.arange(6))
+    q, k_pre, k_rot, v = random_qkv(6)
+    cache.attend(0, q, k_pre, k_rot, v, meta)
+    rows = cache.manager.token_rows(0, 0, 6)
+    codes, _ = quantize_values(v, 1)
+    for i, row in enumerate(rows.tolist()):
+        assert torch.equal(cache.v[0, row // 4, :, :, row % 4].view(torch.uint8), codes[i].view(torch.uint8))
+    assert torch.equal(cache.stored_values(0, rows).view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
+def test_fp8_cache_holds_only_finite_codes_whatever_it_is_given(use_kernels):
+    """The decode kernel reads whole blocks and weighs the codes past a sequence's end by zero: a NaN code left in a
+    block by one sequence would reach the next one to hold it."""
+    cache = make_cache(num_blocks=4, block_size=4, use_kernels=use_kernels, kv_cache_dtype="fp8")
+    cache.manager.allocate(0, 3, 0)
+    meta = AttentionMetadata(True, [0], [3], [0], torch.arange(3))
+    q, k_pre, k_rot, v = random_qkv(3)
+    v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    cache.attend(0, q, k_pre, k_rot, v, meta)
+    assert torch.isfinite(cache.v.float()).all()
+    finite, _ = quantize_values(torch.where(torch.isfinite(v), v, 0), 1)  # the rest of the token as given
+    assert torch.equal(cache.stored_values(0, cache.manager.token_rows(0, 0, 3)).view(torch.uint8),
+                       finite.view(torch.uint8))
+
+
+def test_default_block_size_follows_the_cache_dtype():
+    """auto: 64 tokens a block with an fp8 cache (its decode kernel's pages), 16 otherwise; a number overrides it."""
+    assert EngineConfig(model="m").block_size == 16
+    assert EngineConfig(model="m", kv_cache_dtype="fp8").block_size == 64
+    assert EngineConfig(model="m", kv_cache_dtype="fp8", block_size=16).block_size == 16
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(model="m", block_size=0)
 
 
 def test_fp8_blocks_take_one_byte_per_element_plus_a_scale_per_token_and_kv_head():

@@ -3,7 +3,11 @@ per-sequence block table (the vLLM layout). Used for full attention and for sequ
 
 kv_cache_dtype "fp8": e4m3 with one fp32 scale per token and KV head, so that an appended token never rescales nor
 saturates the tokens already in its block; attention reads them dequantised to the model's dtype. The scales are
-stored per layer (Hkv, rows): the decode kernel reads a block's keys' scales of one head in one coalesced load."""
+stored per layer (Hkv, rows): the decode kernel reads a block's keys' scales of one head in one coalesced load. Keys
+are stored as token rows; values a block at a time with the block's tokens contiguous per dimension (blocks, Hkv, d,
+block_size), the decode kernel's K-major operand (kernels/decode_attention.paged_fp8_decode_attention). Every code
+in the pool is finite (zeros at first, then what the quantiser writes): the kernel reads whole blocks and weighs the
+codes past a sequence's end by zero."""
 from __future__ import annotations
 
 import math
@@ -13,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.decode_attention import decode_attention
+from kernels.decode_attention import decode_attention, paged_fp8_decode_attention
 
 from ..attention import chunk_attention, prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
@@ -155,7 +159,9 @@ class DenseKVCache(KVCache):
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)  # blocks as token rows
         self.fp8 = spec.kv_cache_dtype == "fp8"
         self.k = torch.zeros(shape, dtype=FP8 if self.fp8 else spec.dtype, device=spec.device)
-        self.v = torch.zeros_like(self.k)
+        self.block_size = block_size
+        v_shape = (shape[0], num_blocks, shape[2], shape[3], block_size) if self.fp8 else shape
+        self.v = torch.zeros(v_shape, dtype=self.k.dtype, device=spec.device)
         scales_shape = (shape[0], shape[2], shape[1])  # (L, Hkv, rows) fp32
         self.k_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
         self.v_scales = torch.ones(scales_shape, device=spec.device) if self.fp8 else None
@@ -187,21 +193,35 @@ class DenseKVCache(KVCache):
 
         return self._per_forward(meta, "rows", build)
 
+    def stored_values(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """The values of the pool's token rows (n,) as stored: (n, Hkv, d) in the pool's dtype."""
+        if not self.fp8:
+            return self.v[layer, rows]
+        return self.v[layer][rows // self.block_size, :, :, rows % self.block_size]
+
+    def _set_values(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.fp8:
+            self.v[layer, rows] = values
+        else:
+            self.v[layer][rows // self.block_size, :, :, rows % self.block_size] = values
+
     def _store(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (n, Hkv, d) into the pool's rows (n,); fp8: quantised, each token and KV head its own scale."""
+        """k, v (n, Hkv, d) into the pool's rows (n,); fp8: quantised, each token and KV head its own scale, a value
+        that is not finite stored as 0 so that every code stays finite."""
         if not self.fp8:
             self.k[layer, rows], self.v[layer, rows] = k, v
-            return
-        for pool, scales, x in ((self.k, self.k_scales, k), (self.v, self.v_scales, v)):
-            pool[layer, rows], token_scales = quantize_values(x, 1)  # chunks of one token: (n, Hkv)
-            scales[layer, :, rows] = token_scales.T
+        else:
+            self.k[layer, rows], k_scales = quantize_values(k, 1)  # chunks of one token: (n, Hkv)
+            v_codes, v_scales = quantize_values(torch.where(torch.isfinite(v), v, 0), 1)
+            self._set_values(layer, rows, v_codes)
+            self.k_scales[layer, :, rows], self.v_scales[layer, :, rows] = k_scales.T, v_scales.T
 
     def _load(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (n, Hkv, d) of the pool's rows (n,), in the model's dtype."""
         if not self.fp8:
             return self.k[layer, rows], self.v[layer, rows]
         return (dequantize_tokens(self.k[layer, rows], self.k_scales[layer, :, rows].T, self.spec.dtype),
-                dequantize_tokens(self.v[layer, rows], self.v_scales[layer, :, rows].T, self.spec.dtype))
+                dequantize_tokens(self.stored_values(layer, rows), self.v_scales[layer, :, rows].T, self.spec.dtype))
 
     def attend(self, layer, q, k_pre, k_rot, v, meta):
         if self.spec.kernels and not meta.is_prefill:
@@ -249,12 +269,13 @@ class DenseKVCache(KVCache):
     def _decode_fast(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token per sequence, all sequences in one launch: q (B, Hq, d) -> (B, Hq, d)."""
         table, lens, slots, max_len = self._decode_plan(meta)
-        pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
-        scales = None
         if self.fp8:
-            scales = (self.k_scales[layer][None], self.v_scales[layer][None])  # (1, Hkv, rows)
+            return paged_fp8_decode_attention(q.contiguous(), self.k[layer], self.v[layer],
+                                              (self.k_scales[layer], self.v_scales[layer]), lens, table,
+                                              self.spec.scale, max_len)
+        pool = (self.k[layer].permute(1, 0, 2)[None], self.v[layer].permute(1, 0, 2)[None], lens)  # (1, Hkv, rows, d)
         return decode_attention(q.contiguous(), [pool], slots, self.spec.scale, max_len, page_table=table,
-                                page_size=self.manager.block_size, scales=scales)
+                                page_size=self.manager.block_size)
 
     def _graphable(self, meta: AttentionMetadata) -> bool:
         return self.spec.kernels and not meta.is_prefill
@@ -279,8 +300,8 @@ class DenseKVCache(KVCache):
         rows_src, rows_dst = self._rows(src, 0, length), self._rows(dst, 0, length)
         scales = [self.k_scales, self.v_scales] if self.fp8 else []
         for layer in range(self.k.shape[0]):  # one layer at a time: no whole-cache temporary
-            for pool in (self.k, self.v):
-                pool[layer, rows_dst] = pool[layer, rows_src]
+            self.k[layer, rows_dst] = self.k[layer, rows_src]
+            self._set_values(layer, rows_dst, self.stored_values(layer, rows_src))
             for pool in scales:  # (Hkv, rows)
                 pool[layer, :, rows_dst] = pool[layer, :, rows_src]
         self.manager.lengths[dst] = length
