@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 
 from kernels.decode_attention import decode_attention, paged_fp8_decode_attention
+from kernels.store_fp8 import store_fp8
 
 from ..attention import chunk_attention, prefill_attention_ref
 from ..shadowkv.reference import FP8, dequantize_tokens, quantize_values
@@ -207,9 +208,11 @@ class DenseKVCache(KVCache):
 
     def _store(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, Hkv, d) into the pool's rows (n,); fp8: quantised, each token and KV head its own scale, a value
-        that is not finite stored as 0 so that every code stays finite."""
+        that is not finite stored as 0 so that every code stays finite (kernels.store_fp8 on the kernel path)."""
         if not self.fp8:
             self.k[layer, rows], self.v[layer, rows] = k, v
+        elif self.spec.kernels:
+            store_fp8(k, v, rows, self.k[layer], self.v[layer], self.k_scales[layer], self.v_scales[layer])
         else:
             self.k[layer, rows], k_scales = quantize_values(k, 1)  # chunks of one token: (n, Hkv)
             v_codes, v_scales = quantize_values(torch.where(torch.isfinite(v), v, 0), 1)

@@ -230,7 +230,8 @@ def quantize_values(v: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, tor
     v ([L,] n*C, Hkv, d) -> values, same shape, float8_e4m3fn, and scales ([L,] n, Hkv) fp32, with
     v ~= values * scale: each chunk's largest magnitude per head maps to FP8_MAX."""
     x = v.to(torch.float32, copy=True).unflatten(-3, (-1, chunk_size))  # ([L,] n, C, Hkv, d): the one fp32 copy
-    scales = (x.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # ([L,] n, Hkv)
+    # times the reciprocal, as CUDA divides a tensor by a number: the same scales on every device
+    scales = (x.abs().amax(dim=(-3, -1)) * (1 / FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)  # ([L,] n, Hkv)
     values = x.div_(scales[..., None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return values.flatten(-4, -3), scales
 
