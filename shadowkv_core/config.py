@@ -271,6 +271,9 @@ class EngineConfig:
         _require_auto_or("block_size", self.block_size, (int,), "an integer >= 1", lambda v: v >= 1)
         if self.block_size == AUTO:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
+        _require(self.kv_cache_dtype != "fp8" or self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two with kv_cache_dtype fp8 (its decode kernel steps over whole "
+                 f"blocks, a power of two of keys at a time), got {self.block_size}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(isinstance(self.enable_prefix_caching, bool),

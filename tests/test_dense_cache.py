@@ -198,12 +198,16 @@ def test_fp8_cache_holds_only_finite_codes_whatever_it_is_given(use_kernels):
 
 
 def test_default_block_size_follows_the_cache_dtype():
-    """auto: 64 tokens a block with an fp8 cache (its decode kernel's pages), 16 otherwise; a number overrides it."""
+    """auto: 64 tokens a block with an fp8 cache (its decode kernel's pages), 16 otherwise; a number overrides it, a
+    power of two with fp8."""
     assert EngineConfig(model="m").block_size == 16
     assert EngineConfig(model="m", kv_cache_dtype="fp8").block_size == 64
     assert EngineConfig(model="m", kv_cache_dtype="fp8", block_size=16).block_size == 16
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(model="m", block_size=0)
+    assert EngineConfig(model="m", block_size=48).block_size == 48  # a bf16 cache's kernel takes any block
+    with pytest.raises(ValueError, match="power of two with kv_cache_dtype fp8"):
+        EngineConfig(model="m", kv_cache_dtype="fp8", block_size=48)
 
 
 def test_fp8_blocks_take_one_byte_per_element_plus_a_scale_per_token_and_kv_head():
