@@ -196,8 +196,9 @@ def _merge(q: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, part_acc
 
 
 def _check_q(q: torch.Tensor) -> None:
+    assert q.dim() == 3 and q.is_contiguous(), q.shape
     d = q.shape[2]
-    assert q.dim() == 3 and q.is_contiguous() and d == triton.next_power_of_2(d)
+    assert d == triton.next_power_of_2(d), f"head_dim {d} is not a power of two"
     assert d >= MIN_HEAD_DIM, f"head_dim {d} is narrower than the kernels take ({MIN_HEAD_DIM})"
 
 
@@ -262,6 +263,7 @@ def paged_fp8_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pages: t
     assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
     block_n = block_n or max(128, page)
     assert block_n % page == 0, f"block_n {block_n} must be a multiple of the page ({page})"
+    assert block_n == triton.next_power_of_2(block_n), f"block_n {block_n} must be a power of two"
     split_tokens, num_splits = _splits(B, Hkv, max_len, block_n, split_tokens, programs_per_sm, q.device)
     part_m, part_l, part_acc = _partials(q, num_splits)
     _fp8_split_kernel[(num_splits, Hkv, B)](

@@ -127,6 +127,8 @@ def test_dense_decode_attention_fp8_variants(variant, context_lens, Hq, Hkv, dty
 def test_dense_decode_attention_fp8_block_must_cover_whole_pages():
     with pytest.raises(AssertionError, match="multiple of the page"):
         _check_dense_fp8([40], 4, 2, 32, 32, torch.float32, DEVICE, block_n=16)
+    with pytest.raises(AssertionError, match="power of two"):  # whole pages of 24 a step, but 48 keys
+        _check_dense_fp8([40], 4, 2, 32, 24, torch.float32, DEVICE, block_n=48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
