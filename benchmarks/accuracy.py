@@ -94,6 +94,8 @@ def score_rows(args, groups: dict[tuple, list], save, log) -> list[dict]:
                 base["layer_ranks"] = "calibrated"
             if args.landmark_rebuild and method not in (*DENSE, *BASELINES):
                 base["landmark_rebuild"] = True
+            if args.rescore and method not in (*DENSE, *BASELINES):
+                base["rescore"] = args.rescore
             for depth in args.niah_depths if task == "niah_grid" else [None]:
                 chosen = [v for s, v in zip(samples, per_sample) if depth is None or _nearest(args, s) == depth]
                 mean, low, high = cell_interval(chosen)
@@ -119,7 +121,7 @@ def run_group(args, method: str, budget: float, task: str, context: int, samples
 
     def engine(max_model_len: int, forced: bool = False, conversations: int = 0):
         return build(args.model, method, context, budget, args.device, share, max_model_len, forced, conversations,
-                     args.calibrate_ranks, args.landmark_rebuild)
+                     args.calibrate_ranks, args.landmark_rebuild, args.rescore)
 
     if task == MULTITURN:
         cached = method in CACHED
@@ -278,7 +280,8 @@ def _paired_to_dense(rows: list[dict], cols: list[tuple], tasks: list[str]) -> l
 def _column(row: dict) -> tuple[str, float, str]:
     """(method, budget, variant): the variant names what the run changed of the method ("" for nothing)."""
     variant = [label for label, on in (("calibrated ranks", row.get("layer_ranks") == "calibrated"),
-                                       ("keys onto landmarks", row.get("landmark_rebuild", False))) if on]
+                                       ("keys onto landmarks", row.get("landmark_rebuild", False)),
+                                       (f"{row.get('rescore')}·k candidates rescored", row.get("rescore", 0))) if on]
     return row["method"], row["budget"], ", ".join(variant)
 
 
@@ -346,6 +349,9 @@ def main() -> None:
     parser.add_argument("--landmark-rebuild", action="store_true",
                         help="ShadowKV's rebuilt keys moved onto their chunk's landmark "
                              "(ShadowKVConfig.landmark_rebuild); the baselines' keys never")
+    parser.add_argument("--rescore", type=int, default=0, metavar="C",
+                        help="ShadowKV's landmarks' C·k best chunks rescored by their rebuilt keys "
+                             "(ShadowKVConfig.rescore); 0: the landmarks choose; the baselines never")
     parser.add_argument("--baseline-rank-share", "--quest-rank-share", type=float, default=1.0,
                         help="Quest's, StreamingLLM's and SnapKV's; 1.0 rebuilds their chunks' keys exactly, as "
                              "they read them (--quest-rank-share, its earlier name, when only Quest's was)")

@@ -105,7 +105,7 @@ def calibration_spectra(model: str, calibration_file: str, device: str) -> tuple
 
 def build(model: str, method: str, context: int, budget: float, device: str, rank_share: float,
           max_model_len: int, forced: bool = False, conversations: int = 0,
-          calibration_file: str | None = None, landmark_rebuild: bool = False) -> LLM:
+          calibration_file: str | None = None, landmark_rebuild: bool = False, rescore: int = 0) -> LLM:
     """The method's engine (a cached method's: its uncached method's). The TIMED methods run what the engine does by
     default on the device; the BASELINES its kernels where it has them (their policies' scores asked per sequence,
     without CUDA graphs); every other method the PyTorch reference decode path. The kernels equal it by test.
@@ -113,7 +113,9 @@ def build(model: str, method: str, context: int, budget: float, device: str, ran
     `conversations`: sequences of max_model_len tokens its cache holds twice over beyond CACHE_GIB (live, and their
     prefixes cached beside them). calibration_file: the keys kept at per-layer ranks calibrated on that text
     (ShadowKVConfig.layer_ranks, their mean the method's rank); None: every layer at the method's rank.
-    landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig); the BASELINES' never."""
+    landmark_rebuild: ShadowKV's rebuilt keys moved onto their landmarks (ShadowKVConfig); the BASELINES' never.
+    rescore: ShadowKV's landmarks' rescore·k best chunks rescored by their rebuilt keys (ShadowKVConfig); the
+    BASELINES' never (their policies choose)."""
     method = CACHED.get(method, method)
     config = method_config(model, method, context, budget, rank_share)
     if config is not None and calibration_file is not None:
@@ -121,7 +123,8 @@ def build(model: str, method: str, context: int, budget: float, device: str, ran
         if config.rank < len(spectra[0]):
             config = dataclasses.replace(config, layer_ranks=allocate_ranks(list(spectra), config.rank))
     if config is not None:
-        config = dataclasses.replace(config, landmark_rebuild=landmark_rebuild and method not in BASELINES)
+        config = dataclasses.replace(config, landmark_rebuild=landmark_rebuild and method not in BASELINES,
+                                     rescore=0 if method in BASELINES else rescore)
     speed = {} if method in (*TIMED, *BASELINES) else {"use_kernels": False}
     if forced:
         speed["async_decode"] = False

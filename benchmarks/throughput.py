@@ -14,8 +14,9 @@ per kernel group). Ceilings are measured in the same run (device-to-device copy,
 
 Methods (METHODS): dense, dense_fp8 (EngineConfig.kv_cache_dtype fp8), shadowkv, shadowkv_fp8 (fp8 host values),
 shadowkv_fp8lm (fp8 values and fp8 landmarks, ShadowKVConfig.landmark_format),
-shadowkv[_fp8|_fp8lm][_mean][_tiered][_pipelined]
-(_mean: the paper's mean landmarks, ShadowKVConfig.landmark_kind "mean", where the default is bounds;
+shadowkv[_fp8|_fp8lm][_mean|_rebuild|_rescore][_tiered][_pipelined]
+(_mean: the paper's mean landmarks, ShadowKVConfig.landmark_kind "mean", where the default is bounds; _rebuild:
+ShadowKVConfig.landmark_rebuild; _rescore: ShadowKVConfig.rescore at RESCORE;
 _tiered: ShadowKVConfig.device_value_share from memory_model.best_device_value_share for the context and the
 run's memory, so the device memory a host-bound batch leaves over holds values; _pipelined: Decoder.forward_halves),
 hf (its dynamic cache), hf_static (its static cache; the ratios to HF take the faster of the two, and the ratios
@@ -56,7 +57,8 @@ from shadowkv_core.perf_model import dense_floor_s, infinite_memory_tok_s, shado
 ENGINE_METHODS = ("dense", "dense_fp8", "shadowkv", "shadowkv_fp8", "shadowkv_pipelined", "shadowkv_fp8_pipelined",
                   "shadowkv_tiered_pipelined", "shadowkv_fp8_tiered_pipelined", "shadowkv_fp8lm_pipelined",
                   "shadowkv_fp8lm_tiered", "shadowkv_fp8lm_tiered_pipelined", "shadowkv_fp8lm_mean_tiered_pipelined",
-                  "shadowkv_fp8lm_rebuild_tiered_pipelined")
+                  "shadowkv_fp8lm_rebuild_tiered_pipelined", "shadowkv_fp8lm_rescore_tiered_pipelined")
+RESCORE = 4  # a _rescore method's candidate factor (ShadowKVConfig.rescore)
 SYNC_METHODS = tuple(f"{m}_sync" for m in ENGINE_METHODS)
 METHODS = (*ENGINE_METHODS, *(f"{m}_eager" for m in ENGINE_METHODS), *SYNC_METHODS, "hf", "hf_static")
 COLUMNS = ["context", "method", "batch", "decode_tok_s", "ttft_s", "itl_p50_ms", "itl_p99_ms", "peak_gpu_gib",
@@ -79,7 +81,8 @@ def geometry_config(name: str, max_len: int) -> dict:
 def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> tuple[ShadowKVConfig | None, dict]:
     """(the method's ShadowKV config, None for full attention; its engine options) from the run's ShadowKV config;
     a _mean method keeps the paper's mean landmarks, a _rebuild one moves rebuilt keys onto their landmarks
-    (landmark_rebuild), a _tiered one tier_share of each sequence's values on the
+    (landmark_rebuild), a _rescore one rescores the landmarks' RESCORE·k candidates by their rebuilt keys (rescore), a
+    _tiered one tier_share of each sequence's values on the
     device; _eager runs without CUDA graphs, _sync without async decode (each step read back before the next is
     launched)."""
     sync = method.endswith("_sync")
@@ -89,6 +92,8 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     base = base.removesuffix("_pipelined")
     tiered = base.endswith("_tiered")
     base = base.removesuffix("_tiered")
+    rescore = base.endswith("_rescore")
+    base = base.removesuffix("_rescore")
     rebuild = base.endswith("_rebuild")
     base = base.removesuffix("_rebuild")
     mean = base.endswith("_mean")
@@ -99,7 +104,8 @@ def method_setup(method: str, cfg: ShadowKVConfig, tier_share: float = 0.0) -> t
     if shadow is not None:
         shadow = dataclasses.replace(shadow, device_value_share=tier_share if tiered else 0.0,
                                      landmark_kind="mean" if mean else shadow.landmark_kind,
-                                     landmark_rebuild=rebuild or shadow.landmark_rebuild)
+                                     landmark_rebuild=rebuild or shadow.landmark_rebuild,
+                                     rescore=RESCORE if rescore else shadow.rescore)
     return shadow, {"cuda_graphs": not method.endswith("_eager"), "pipeline_decode": pipelined,
                     "pipeline_min_batch": 2, "async_decode": False if sync else "auto",
                     "kv_cache_dtype": "fp8" if base == "dense_fp8" else "auto"}

@@ -62,6 +62,11 @@ class ShadowKVConfig:
         them); for mean landmarks, each rebuilt chunk is shifted so that its mean is the landmark's. Part of the
         low-rank error is taken out at no extra memory, for a slightly slower decode step (docs/accuracy.md, "Keys
         onto their landmarks").
+    rescore: 0 lets the landmarks choose each step's chunks; c >= 2 takes their c·k best chunks per KV head as
+        candidates, rebuilds the candidates' keys and keeps the k whose largest logit is highest (softmaxed per query
+        head over the candidates, the max over the GQA group, as landmarks are): a landmark bounds a chunk's logits
+        loosely, its rebuilt keys give them. Nothing kept (the candidates' keys are transient); each step rebuilds
+        c·k chunks a head (docs/accuracy.md, "Rescoring the landmarks' candidates").
     device_value_share: share of each sequence's value pages kept in device memory instead of the host store (its
         first pages, rounded down to whole pages): a hit there costs no PCIe. "auto": the share under which the
         replica's pools hold the most sequences of max_model_len tokens (memory_model.best_device_value_share), on
@@ -82,9 +87,13 @@ class ShadowKVConfig:
     device_value_share: float | str = AUTO
     layer_ranks: tuple[int, ...] | None = None
     landmark_rebuild: bool = False
+    rescore: int = 0
 
     def __post_init__(self):
         _require(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        _require(isinstance(self.rescore, int) and not isinstance(self.rescore, bool)
+                 and (self.rescore == 0 or self.rescore >= 2),
+                 f"rescore must be 0 (the landmarks choose) or a candidate factor >= 2, got {self.rescore!r}")
         if self.layer_ranks is not None:
             _require(isinstance(self.layer_ranks, (list, tuple)) and len(self.layer_ranks) > 0
                      and all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in self.layer_ranks),

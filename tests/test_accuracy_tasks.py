@@ -153,12 +153,12 @@ def test_rows_name_calibrated_ranks_only_where_the_keys_are_low_rank_and_name_la
     import benchmarks.accuracy as accuracy
     monkeypatch.setattr(accuracy, "run_group", lambda *a: ([100.0], [], {}))
     args = Namespace(budgets=[0.0156], methods=["dense", "shadowkv", "quest", "snapkv"], max_minutes=1,
-                     calibrate_ranks="text.txt", landmark_rebuild=True, rank_share=20 / 128, baseline_rank_share=1.0,
-                     templates="heldout", niah_depths=[], shard=None)
+                     calibrate_ranks="text.txt", landmark_rebuild=True, rescore=4, rank_share=20 / 128,
+                     baseline_rank_share=1.0, templates="heldout", niah_depths=[], shard=None)
     rows = score_rows(args, {("niah_single", 1024): [None]}, lambda rows: None, lambda msg: None)
-    labels = {r["method"]: (r.get("layer_ranks"), r.get("landmark_rebuild")) for r in rows}
-    assert labels == {"dense": (None, None), "shadowkv": ("calibrated", True), "quest": (None, None),
-                      "snapkv": (None, None)}
+    labels = {r["method"]: (r.get("layer_ranks"), r.get("landmark_rebuild"), r.get("rescore")) for r in rows}
+    assert labels == {"dense": (None, None, None), "shadowkv": ("calibrated", True, 4), "quest": (None, None, None),
+                      "snapkv": (None, None, None)}
     assert not any("shard" in r for r in rows)
     args.baseline_rank_share = 20 / 128  # the baselines on ShadowKV's low-rank keys: calibrated as well
     args.shard = (1, 3)

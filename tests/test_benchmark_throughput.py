@@ -136,7 +136,7 @@ def test_a_tiered_method_keeps_values_on_the_device_when_the_host_bounds_the_bat
 
 def test_method_names_set_the_configuration_they_say():
     """Each suffix of a method's name sets its own field of the run's ShadowKV config and nothing else."""
-    from benchmarks.throughput import ENGINE_METHODS, method_setup
+    from benchmarks.throughput import ENGINE_METHODS, RESCORE, method_setup
     from shadowkv_core.config import ShadowKVConfig
     base = ShadowKVConfig()
     cfg, options = method_setup("shadowkv_fp8lm_rebuild_tiered_pipelined", base, tier_share=0.375)
@@ -150,3 +150,7 @@ def test_method_names_set_the_configuration_they_say():
     assert method_setup("dense_fp8", base) == (None, {**options, "cuda_graphs": True, "kv_cache_dtype": "fp8"})
     shadow = {m: method_setup(m, base)[0] for m in ENGINE_METHODS}
     assert all(cfg is None or cfg.landmark_rebuild == ("_rebuild" in m) for m, cfg in shadow.items())
+    assert all(cfg is None or (cfg.rescore > 0) == ("_rescore" in m) for m, cfg in shadow.items())
+    rescored, _ = method_setup("shadowkv_fp8lm_rescore_tiered_pipelined", base, tier_share=0.375)
+    assert rescored == dataclasses.replace(base, value_format="fp8", landmark_format="fp8", device_value_share=0.375,
+                                           rescore=RESCORE)

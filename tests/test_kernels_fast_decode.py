@@ -68,13 +68,14 @@ def _prefilled(dtype, device, prompt_lens, steps, seed, fast_share=0.0, scorer=N
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_fast_decode_equals_reference(dtype, value_format, fast_share, landmarks, kind, device=DEVICE,
                                       prompt_lens=(150, 61, 97), steps=12, layer_ranks=None, landmark_rebuild=False,
-                                      scorer=None):
+                                      scorer=None, rescore=0):
     """fast_share: the fast path reads part of the values from its device region, the reference all from the host.
     landmarks, kind: their format and kind on both. layer_ranks: each layer's keys at its own rank.
-    landmark_rebuild: rebuilt chunks moved onto their landmarks on both. scorer: a selection policy on both."""
+    landmark_rebuild: rebuilt chunks moved onto their landmarks on both. scorer: a selection policy on both.
+    rescore: the landmarks' candidates rescored by their rebuilt keys on both."""
     caches, rotary = _prefilled(dtype, device, prompt_lens, steps, 0, fast_share, scorer, value_format=value_format,
                                 landmark_format=landmarks, landmark_kind=kind, layer_ranks=layer_ranks,
-                                landmark_rebuild=landmark_rebuild)
+                                landmark_rebuild=landmark_rebuild, rescore=rescore)
     if fast_share:
         assert caches[1].manager.device_value_pages.num_free < caches[1].manager.device_value_pages.num_blocks
     for step in range(steps):
@@ -158,6 +159,25 @@ def test_fast_decode_equals_reference_with_landmark_rebuild_gpu_bf16(landmarks, 
     test_fast_decode_equals_reference(torch.bfloat16, "fp8", 0.4, landmarks, kind, device="cuda",
                                       prompt_lens=(1500, 611, 977, 2048), steps=20, layer_ranks=(33, 63),
                                       landmark_rebuild=True)
+
+
+@pytest.mark.parametrize("value_format,fast_share,landmarks,kind,rebuild,rescore", [
+    ("model", 0.0, "model", "bounds", False, 2), ("fp8", 0.3, "fp8", "bounds", True, 3),
+    ("model", 0.3, "model", "mean", False, 4)])
+def test_fast_decode_equals_reference_with_rescored_candidates(value_format, fast_share, landmarks, kind, rebuild,
+                                                               rescore):
+    """The landmarks' rescore·k best chunks rescored by their rebuilt keys (ShadowKVConfig.rescore), at uneven layer
+    ranks; the shortest prompt has fewer chunks than rescore·k, so its candidates are all of them."""
+    test_fast_decode_equals_reference(torch.float32, value_format, fast_share, landmarks, kind, layer_ranks=(33, 63),
+                                      landmark_rebuild=rebuild, rescore=rescore)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("landmarks,rebuild", [("model", False), ("fp8", True)])
+def test_fast_decode_equals_reference_with_rescored_candidates_gpu_bf16(landmarks, rebuild):
+    test_fast_decode_equals_reference(torch.bfloat16, "fp8", 0.4, landmarks, "bounds", device="cuda",
+                                      prompt_lens=(1500, 611, 977, 2048), steps=20, layer_ranks=(33, 63),
+                                      landmark_rebuild=rebuild, rescore=4)
 
 
 @pytest.mark.parametrize("scorer", [QuestScorer, StreamingScorer, SnapKVScorer, ChunkOracleScorer])

@@ -44,6 +44,8 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     if cache.chunk_scorer is None:
         scores = landmark_scores(scoring_query(q, cache.config.landmark_kind), landmarks, excluded,
                                  cache.spec.scale)  # (Hkv, n)
+        if cache.config.rescore:
+            scores = rescore_candidates(cache, layer, st, q, scores, k)
     else:
         scores = cache.chunk_scorer.scores(layer, st, q, excluded, cache.spec.scale)
     selected = select_chunks(scores, k)  # (Hkv, k)
@@ -56,6 +58,22 @@ def select_and_load(cache, layer: int, st: SequenceState, q: torch.Tensor, k: in
     step.selected += Hkv * k
     step.hits += Hkv * k - int(miss.sum())
     return slots.sparse_k[s, layer][used].view(Hkv, k * C, d), slots.sparse_v[s, layer][used].view(Hkv, k * C, d)
+
+
+def rescore_candidates(cache, layer: int, st: SequenceState, q: torch.Tensor, scores: torch.Tensor,
+                       k: int) -> torch.Tensor:
+    """The landmarks' rescore·k best chunks per KV head scored again by their rebuilt keys (ShadowKVConfig.rescore).
+    scores (Hkv, n) the landmarks' -> (Hkv, n) fp32: per query head the softmax over the candidates of each one's
+    largest logit, the max over the GQA group; every other chunk -inf."""
+    m = min(cache.config.rescore * k, st.num_shadow - st.num_outliers)
+    candidates = select_chunks(scores, m)  # (Hkv, m)
+    Hkv, Hq, d = candidates.shape[0], q.shape[0], q.shape[-1]
+    heads = torch.arange(Hkv, device=candidates.device).repeat_interleave(m)
+    keys = rebuilt_keys(cache, layer, st, candidates.flatten(), heads).to(cache.slots.sparse_k.dtype)  # (Hkv*m, C, d)
+    logits = torch.einsum("hgd,hmcd->hgmc", q.float().view(Hkv, Hq // Hkv, d),
+                          keys.float().view(Hkv, m, -1, d)) * cache.spec.scale
+    rescored = logits.amax(-1).softmax(-1).amax(1)  # (Hkv, m)
+    return torch.full_like(scores, float("-inf")).scatter(1, candidates, rescored)
 
 
 def rope_lens(cache, st: SequenceState, positions: torch.Tensor) -> torch.Tensor | None:
@@ -74,13 +92,7 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     if heads.numel() == 0:
         return
     chunks = resident[heads, slot_ids]  # (M,)
-    positions = chunks[:, None] * C + torch.arange(C, device=chunks.device)  # (M, C)
-    u_rows = cache.gpu.read_u(layer, st.gpu_table, positions)  # (M, C, r)
-    sv = slots.sv[layer][s][heads]  # (M, r, d)
-    keys = rebuild_keys(u_rows, sv, positions, cache.rotary, rope_lens(cache, st, positions))  # (M, C, d)
-    if cache.config.landmark_rebuild:
-        landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)[chunks, heads]
-        keys = meet_landmarks(keys, landmarks, cache.config.landmark_kind)
+    keys = rebuilt_keys(cache, layer, st, chunks, heads)  # (M, C, d)
     values = cache.host.gather(layer, st.value_table, chunks, heads, C)  # (M, C, d) on the host
     Hkv, K = miss.shape
     d = keys.shape[-1]
@@ -92,3 +104,17 @@ def load_misses(cache, layer: int, st: SequenceState, resident: torch.Tensor, mi
     step.fetched += chunks.shape[0]
     step.from_device += from_device
     step.bytes_fetched += (chunks.shape[0] - from_device) * cache.host.fetch_bytes()
+
+
+def rebuilt_keys(cache, layer: int, st: SequenceState, chunks: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys of shadow chunks, each for one KV head, from their U rows (moved onto their landmarks with
+    ShadowKVConfig.landmark_rebuild). chunks, heads (M,) -> (M, C, d) fp32."""
+    C = cache.config.chunk_size
+    positions = chunks[:, None] * C + torch.arange(C, device=chunks.device)  # (M, C)
+    u_rows = cache.gpu.read_u(layer, st.gpu_table, positions)  # (M, C, r)
+    sv = cache.slots.sv[layer][st.slot][heads]  # (M, r, d)
+    keys = rebuild_keys(u_rows, sv, positions, cache.rotary, rope_lens(cache, st, positions))
+    if cache.config.landmark_rebuild:
+        landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)[chunks, heads]
+        keys = meet_landmarks(keys, landmarks, cache.config.landmark_kind)
+    return keys

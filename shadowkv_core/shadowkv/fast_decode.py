@@ -97,6 +97,8 @@ def select(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor
     score as reference.select_chunks."""
     if cache.chunk_scorer is not None:
         return topk_indices(policy_scores(cache, layer, plan, q), plan.k_max)
+    if cache.config.rescore:
+        return topk_indices(rescored_scores(cache, layer, plan, q), plan.k_max)
     return landmark_top_chunks(cache, layer, q, plan.gpu_table, plan.num_chunks, plan.n_max, plan.k_max)
 
 
@@ -107,6 +109,34 @@ def landmark_top_chunks(cache, layer: int, q: torch.Tensor, gpu_table: torch.Ten
                              num_chunks, cache.gpu.outlier_flags[layer], n_max, cache.spec.scale,
                              landmark_scales=cache.gpu.landmark_scales_of(layer))
     return topk_indices(scores, k)
+
+
+def rescored_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+    """decode.rescore_candidates for the batch: the landmarks' rescore·k best chunks of each sequence and KV head,
+    their keys rebuilt into a scratch buffer and scored by their largest logits -> (B, Hkv, n_max) fp32, -inf but at
+    the candidates."""
+    slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
+    B, Hq, d = q.shape
+    m = min(cache.config.rescore * plan.k_max, plan.n_max)
+    candidates = landmark_top_chunks(cache, layer, q, plan.gpu_table, plan.num_chunks, plan.n_max, m)  # (B, Hkv, m)
+    Hkv = candidates.shape[1]
+    available = plan.num_chunks - plan.lens[0] // C  # (B,) shadow chunks that are not outliers
+    count = torch.minimum(cache.config.rescore * plan.num_selected, available)  # (B,) candidates of each sequence
+    keys = torch.zeros(B, Hkv, m * C, d, dtype=slots.sparse_k.dtype, device=q.device)
+    order = torch.arange(m, dtype=torch.int32, device=q.device)
+    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
+                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
+    rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer][plan.slot_ids.long()].contiguous(),
+                 plan.inv_freq, rotary.attention_factor, rotary.interleaved, candidates.to(torch.int32),
+                 order.expand(B, Hkv, m).contiguous(), count[:, None].expand(B, Hkv).contiguous(),
+                 torch.arange(B, dtype=torch.int32, device=q.device), keys, C, **landmarks)
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, Hkv, Hq // Hkv, d), keys.float()) * cache.spec.scale
+    valid = (order < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
+    best = logits.view(B, Hkv, Hq // Hkv, m, C).amax(-1).masked_fill(~valid, float("-inf"))
+    rescored = torch.where(valid, best.softmax(-1), float("-inf")).amax(2)  # (B, Hkv, m)
+    scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
+    # a sequence with fewer candidates than m repeats chunk ids past its count: amax keeps each candidate's score
+    return scores.scatter_reduce_(2, candidates, rescored, "amax")
 
 
 def policy_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
