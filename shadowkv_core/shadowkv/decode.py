@@ -118,3 +118,12 @@ def rebuilt_keys(cache, layer: int, st: SequenceState, chunks: torch.Tensor, hea
         landmarks = cache.gpu.read_landmarks(layer, st.gpu_table, st.num_shadow)[chunks, heads]
         keys = meet_landmarks(keys, landmarks, cache.config.landmark_kind)
     return keys
+
+
+def rebuild_landmarks(cache, layer: int) -> dict:
+    """kernels.rebuild_keys' landmark arguments: the layer's landmarks where rebuilt keys meet them
+    (ShadowKVConfig.landmark_rebuild), none otherwise."""
+    if not cache.config.landmark_rebuild:
+        return {}
+    return {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
+            "landmark_scales": cache.gpu.landmark_scales_of(layer)}

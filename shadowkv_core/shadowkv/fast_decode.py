@@ -22,6 +22,7 @@ from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import rebuild_keys
 from kernels.topk import topk_indices
 from shadowkv_core.config import ShadowKVConfig
+from shadowkv_core.shadowkv.decode import rebuild_landmarks
 from shadowkv_core.shadowkv.plan import DecodePlan
 from shadowkv_core.shadowkv.reference import scoring_query
 
@@ -124,19 +125,17 @@ def rescored_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tor
     count = torch.minimum(cache.config.rescore * plan.num_selected, available)  # (B,) candidates of each sequence
     keys = torch.zeros(B, Hkv, m * C, d, dtype=slots.sparse_k.dtype, device=q.device)
     order = torch.arange(m, dtype=torch.int32, device=q.device)
-    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
-                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
     rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer][plan.slot_ids.long()].contiguous(),
                  plan.inv_freq, rotary.attention_factor, rotary.interleaved, candidates.to(torch.int32),
                  order.expand(B, Hkv, m).contiguous(), count[:, None].expand(B, Hkv).contiguous(),
-                 torch.arange(B, dtype=torch.int32, device=q.device), keys, C, **landmarks)
+                 torch.arange(B, dtype=torch.int32, device=q.device), keys, C, **rebuild_landmarks(cache, layer))
     logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, Hkv, Hq // Hkv, d), keys.float()) * cache.spec.scale
     valid = (order < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
     best = logits.view(B, Hkv, Hq // Hkv, m, C).amax(-1).masked_fill(~valid, float("-inf"))
     rescored = torch.where(valid, best.softmax(-1), float("-inf")).amax(2)  # (B, Hkv, m)
     scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
-    # a sequence with fewer candidates than m repeats chunk ids past its count: amax keeps each candidate's score
-    return scores.scatter_reduce_(2, candidates, rescored, "amax")
+    # past a sequence's count its candidates are its outliers' and padding's ids, scored -inf as they were
+    return scores.scatter_(2, candidates, rescored)
 
 
 def policy_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
@@ -157,8 +156,7 @@ def select_and_load(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tup
     slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
     misses = assign_slots(slots.resident[:, layer], plan.slot_ids, select(cache, layer, plan, q), plan.num_selected,
                           miss_total=plan.misses)
-    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
-                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
+    landmarks = rebuild_landmarks(cache, layer)
     # The short rebuild is queued first: the many fetch programs, waiting on PCIe, would otherwise hold every SM.
     done = on_two_streams(cache.streams, lambda: rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer],
                                                       plan.inv_freq, rotary.attention_factor, rotary.interleaved,

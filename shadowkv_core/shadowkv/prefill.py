@@ -12,7 +12,7 @@ import torch
 from kernels.fetch_values import fetch_values
 from kernels.rebuild_keys import rebuild_keys
 from shadowkv_core.attention import prefill_attention_ref
-from shadowkv_core.shadowkv.decode import rope_lens
+from shadowkv_core.shadowkv.decode import rebuild_landmarks, rope_lens
 from shadowkv_core.shadowkv.manager import Factors, SequenceState
 from shadowkv_core.shadowkv.reference import (chunk_landmarks, factorize_keys, find_outlier_chunks, meet_landmarks,
                                               project_keys)
@@ -227,11 +227,9 @@ def rebuild_prefix_keys(cache, layer: int, st: SequenceState, n: int, out: torch
     ints, num_miss = every_chunk(Hkv, n, device)
     first = torch.zeros(1, dtype=torch.int64, device=device)
     inv_freq = cache.rotary.frequencies(first, rope_lens(cache, st, first)).float().reshape(1, -1)
-    landmarks = {"landmarks": cache.gpu.landmarks[layer], "landmark_kind": cache.config.landmark_kind,
-                 "landmark_scales": cache.gpu.landmark_scales_of(layer)} if cache.config.landmark_rebuild else {}
     rebuild_keys(cache.gpu.u[layer], st.gpu_table[None].to(torch.int32), sv, inv_freq, cache.rotary.attention_factor,
                  cache.rotary.interleaved, ints, ints, num_miss, torch.zeros(1, dtype=torch.int32, device=device),
-                 out.transpose(0, 1)[None], C, **landmarks)
+                 out.transpose(0, 1)[None], C, **rebuild_landmarks(cache, layer))
 
 
 def fetch_prefix_values(cache, layer: int, st: SequenceState, num_kv_heads: int, n: int, out: torch.Tensor) -> None:
