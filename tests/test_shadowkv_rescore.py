@@ -11,7 +11,7 @@ from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.memory_model import Pools
 from shadowkv_core.shadowkv import decode
 from shadowkv_core.shadowkv.cache import ShadowKVCache
-from shadowkv_core.shadowkv.reference import landmark_scores, scoring_query, select_chunks
+from shadowkv_core.shadowkv.reference import select_chunks
 
 L, HQ, HKV, D, C, BUDGET = 1, 8, 2, 32, 4, 6
 SCALE = D ** -0.5
@@ -75,15 +75,12 @@ def test_chosen_chunks_are_among_the_landmarks_candidates_and_need_not_be_their_
                             min_context=0, decode_window=8, page_chunks=4, device_value_share=0.0, rescore=rescore)
     differs = 0
     for seed in range(4):
-        cache, st, _, q, selected, landmarks = _decode_once(config, prompt_len=150, seed=seed)
+        cache, _, _, _, selected, landmarks = _decode_once(config, prompt_len=150, seed=seed)
         candidates = select_chunks(landmarks, rescore * BUDGET)
         by_landmarks = select_chunks(landmarks, BUDGET)
         for h in range(HKV):
             assert set(selected[h].tolist()) <= set(candidates[h].tolist()), f"seed {seed} KV head {h}"
             differs += set(selected[h].tolist()) != set(by_landmarks[h].tolist())
-        expected_landmarks = landmark_scores(scoring_query(q, "bounds"), cache.gpu.read_landmarks(
-            0, st.gpu_table, st.num_shadow), cache.gpu.read_outliers(0, st.gpu_table, st.num_shadow), SCALE)
-        assert torch.equal(landmarks, expected_landmarks)
         cache.close()
     assert differs > 0, "rescoring never changed the landmarks' choice"
 

@@ -69,6 +69,7 @@ def rescore_candidates(cache, layer: int, st: SequenceState, q: torch.Tensor, sc
     candidates = select_chunks(scores, m)  # (Hkv, m)
     Hkv, Hq, d = candidates.shape[0], q.shape[0], q.shape[-1]
     heads = torch.arange(Hkv, device=candidates.device).repeat_interleave(m)
+    # rounded to the slots' dtype, as the fast path's candidate buffer holds them
     keys = rebuilt_keys(cache, layer, st, candidates.flatten(), heads).to(cache.slots.sparse_k.dtype)  # (Hkv*m, C, d)
     logits = torch.einsum("hgd,hmcd->hgmc", q.float().view(Hkv, Hq // Hkv, d),
                           keys.float().view(Hkv, m, -1, d)) * cache.spec.scale
