@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from .config import ShadowKVConfig
 from .models.spec import ModelSpec
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' collectives after this long
+JOIN_TIMEOUT_S = 600.0  # how long the ranks may take to start (a process, its imports, its CUDA context)
 # Workers wait for rank 0's next step as long as the replica idles; a lost peer still fails the wait at once (its
 # sockets close).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
@@ -41,21 +44,39 @@ class TensorParallel:
         return box[0]
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
-                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
-    """Join the replica's group of `size` ranks: NCCL for CUDA devices, gloo elsewhere, and a gloo group for rank 0's
-    broadcasts. This process's intra-op threads become its share of the host's CPUs (rank_threads) until it leaves."""
+def init_tensor_parallel(rank: int, size: int, rendezvous: str, device: str,
+                         timeout_s: float = COLLECTIVE_TIMEOUT_S, join_timeout_s: float = JOIN_TIMEOUT_S,
+                         peers_alive: Callable[[], bool] = lambda: True) -> TensorParallel:
+    """Join the replica's group of `size` ranks through the file `rendezvous`: NCCL for CUDA devices, gloo elsewhere,
+    and a gloo group for rank 0's broadcasts. The ranks first wait for each other up to join_timeout_s (or until
+    peers_alive() is false), so that a rank slow to start does not fail the group's connection, which gives up after
+    the collective timeout. This process's intra-op threads become its share of the host's CPUs (rank_threads) until
+    it leaves."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)  # NCCL's communicator for this rank binds the current device
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+    store = dist.FileStore(rendezvous, size)
+    store.set_timeout(datetime.timedelta(seconds=join_timeout_s))
+    _wait_for_peers(store, size, join_timeout_s, peers_alive)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     if "OMP_NUM_THREADS" not in os.environ:
         _threads_outside.append(torch.get_num_threads())
         torch.set_num_threads(rank_threads(len(os.sched_getaffinity(0)), size))
     return TensorParallel(rank, size, control)
+
+
+def _wait_for_peers(store: dist.Store, size: int, timeout_s: float, peers_alive: Callable[[], bool]) -> None:
+    joined = store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while joined < size:
+        if not peers_alive():
+            raise RuntimeError(f"a tensor-parallel rank exited before joining ({joined} of {size} joined)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{joined} of {size} tensor-parallel ranks joined within {timeout_s:g} s")
+        time.sleep(0.05)
+        joined = store.add("joined", 0)
 
 
 def rank_threads(cpus: int, size: int) -> int:

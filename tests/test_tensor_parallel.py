@@ -64,8 +64,8 @@ def _logits(path: str, shadowkv: ShadowKVConfig | None, tp=None) -> torch.Tensor
     return torch.stack(steps)
 
 
-def _rank_main(rank, size, init_method, fn, args, results):
-    tp = init_tensor_parallel(rank, size, init_method, "cpu", timeout_s=60)
+def _rank_main(rank, size, rendezvous, fn, args, results):
+    tp = init_tensor_parallel(rank, size, rendezvous, "cpu", timeout_s=60)
     try:
         buffer = io.BytesIO()
         torch.save(fn(*args, tp=tp), buffer)  # bytes, not shared memory: this process ends before they are read
@@ -79,8 +79,8 @@ def run_ranks(fn, size, *args):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_rank_main, args=(r, size, init_method, fn, args, results)) for r in range(size)]
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank_main, args=(r, size, rendezvous, fn, args, results)) for r in range(size)]
         for p in procs:
             p.start()
         out = {rank: torch.load(io.BytesIO(data)) for rank, data in (results.get(timeout=120) for _ in procs)}
@@ -338,3 +338,37 @@ def test_workers_wait_out_an_idle_replica(tiny_path):
         engine.close()
     assert engine.error is None
     assert [o.token_ids for o in outs if o.finished] == [want]
+
+
+def _late_rank_main(rank, rendezvous, delay_s, results):
+    time.sleep(delay_s)
+    tp = init_tensor_parallel(rank, 2, rendezvous, "cpu", timeout_s=1)
+    try:
+        results.put((rank, tp.all_reduce(torch.full((2,), float(rank + 1))).tolist()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_rank_slow_to_start_still_joins():
+    """The group's connection gives up after the collective timeout: a rank that starts later than that (a loaded
+    host, a slow import) failed the replica before it ran a step."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_late_rank_main, args=(r, rendezvous, 3.0 * r, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    assert got == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+def test_a_rank_lost_before_joining_fails_the_join(tmp_path):
+    with pytest.raises(RuntimeError, match="exited before joining"):
+        init_tensor_parallel(0, 2, str(tmp_path / "lost"), "cpu", peers_alive=lambda: False)
+    with pytest.raises(TimeoutError, match="1 of 2"):
+        init_tensor_parallel(0, 2, str(tmp_path / "late"), "cpu", join_timeout_s=0.2)
+    assert not torch.distributed.is_initialized()

@@ -57,16 +57,16 @@ class TensorParallelEngine:
         fd, rendezvous = tempfile.mkstemp(prefix="shadowkv-tp-")
         os.close(fd)
         os.unlink(rendezvous)  # the file store creates it; a stale one would hold another group's keys
-        init_method = f"file://{rendezvous}"
         ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker_main, args=(config, rank, size, init_method, timeout_s),
+        self.workers = [ctx.Process(target=_worker_main, args=(config, rank, size, rendezvous, timeout_s),
                                     name=f"shadowkv-tp-rank{rank}", daemon=True) for rank in range(1, size)]
         for worker in self.workers:
             worker.start()
         self.error: str | None = None
         self.pending: list[tuple[str, tuple]] = []
         try:
-            self.tp = init_tensor_parallel(0, size, init_method, config.device, timeout_s)
+            self.tp = init_tensor_parallel(0, size, rendezvous, config.device, timeout_s,
+                                           peers_alive=lambda: all(w.is_alive() for w in self.workers))
             self.engine = LLMEngine(config, self.tp)
         except Exception:
             self._end_workers()
@@ -153,10 +153,10 @@ class TensorParallelEngine:
                 worker.join()
 
 
-def _worker_main(config: EngineConfig, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+def _worker_main(config: EngineConfig, rank: int, size: int, rendezvous: str, timeout_s: float) -> None:
     """Rank `rank`'s process: the same engine on its shard, replaying rank 0's calls and stepping with it. Any error
     ends the process (rank 0 then fails the replica's requests)."""
-    tp = init_tensor_parallel(rank, size, init_method, config.device, timeout_s)
+    tp = init_tensor_parallel(rank, size, rendezvous, config.device, timeout_s)
     engine = LLMEngine(config, tp)
     while True:
         calls = tp.broadcast(None)
