@@ -25,7 +25,7 @@ from kernels.assign_slots import assign_slots
 from kernels.decode_attention import decode_attention
 from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
-from kernels.rebuild_keys import rebuild_keys
+from kernels.rebuild_keys import candidate_logits, rebuild_keys
 from kernels.topk import topk_indices
 from shadowkv_core.shadowkv.reference import quantize_values
 
@@ -81,8 +81,9 @@ def page_table(num_rows: int, page_rows: int, batch: int) -> torch.Tensor:
     return torch.randperm(batch * pages, device=DEV).view(batch, pages).int()
 
 
-def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
-    """One layer of a decode batch whose sequences are `context` tokens long (ragged by a few chunks)."""
+def shadow_batch(batch: int, context: int, hit_rate: float, host: bool = True) -> dict:
+    """One layer of a decode batch whose sequences are `context` tokens long (ragged by a few chunks); host: with
+    its values in pinned host memory (what the fetch reads)."""
     n = context // C - LOCAL
     num_chunks = (n - torch.arange(batch, device=DEV) * 3).int()
     s = dict(batch=batch, n=n, num_chunks=num_chunks, slot_ids=torch.randperm(batch, device=DEV).int())
@@ -97,7 +98,8 @@ def shadow_batch(batch: int, context: int, hit_rate: float) -> dict:
     heads = torch.arange(HKV, device=DEV)[None, :, None].expand_as(ids)
     s["outlier_flags"][s["gpu_table"].gather(1, (ids // PAGE_CHUNKS).flatten(1)).view_as(ids).long(),
                        ids % PAGE_CHUNKS, heads] = 1
-    s["host"] = torch.randn(num_pages, PAGE_CHUNKS * C, HKV, D, dtype=DTYPE).pin_memory()
+    if host:
+        s["host"] = torch.randn(num_pages, PAGE_CHUNKS * C, HKV, D, dtype=DTYPE).pin_memory()
     s["host_table"] = s["gpu_table"]
     m = round((1 - hit_rate) * K)
     s["miss_chunks"] = torch.rand(batch, HKV, n, device=DEV).argsort(-1)[..., :K].int().contiguous()
@@ -185,6 +187,45 @@ def bench_scores(s, d2d, sweep=False):
     ms = bench(lambda: assign_slots(s["resident"], s["slot_ids"], selected, num_sel))
     record("assign_slots", ms, B * HKV * K * (8 * 3 + 4 * 2), d2d, batch=B,
            eager_ms=bench_eager(lambda: assign_slots(s["resident"], s["slot_ids"], selected, num_sel)))
+
+
+def landmark_select(s):
+    return topk_indices(run_scores(s), K)
+
+
+def run_candidates(s, candidates, count, **tile):
+    return candidate_logits(s["u"], s["gpu_table"], s["sv"], s["inv_freq"], 1.0, False, candidates, count,
+                            s["slot_ids"], s["q"], D ** -0.5, C, **tile)
+
+
+def rescored_select(s, factor, **tile):
+    """ShadowKVConfig.rescore's selection, as fast_decode.rescored_scores makes it: the landmarks' factor·K best
+    chunks, scored by their rebuilt keys' largest logits, the K best of those."""
+    candidates = topk_indices(run_scores(s), factor * K)
+    count = torch.full(candidates.shape[:2], factor * K, dtype=torch.int32, device=DEV)
+    rescored = run_candidates(s, candidates.int(), count, **tile).softmax(-1).amax(2)
+    scores = torch.full((s["batch"], HKV, s["n"]), float("-inf"), device=DEV).scatter_(2, candidates, rescored)
+    return topk_indices(scores, K)
+
+
+def bench_rescore(s, d2d, factor: int) -> None:
+    """One layer's chunk selection with and without rescoring factor·K candidates, and the candidates' scoring
+    kernel alone at several tiles (its bytes: the candidates' U rows, SV, and the logits out)."""
+    B, m = s["batch"], factor * K
+    candidates = topk_indices(run_scores(s), m).int()
+    count = torch.full((B, HKV), m, dtype=torch.int32, device=DEV)
+    nbytes = B * HKV * m * (C * RANK * 2 + HQ // HKV * 4) + B * HKV * RANK * D * 2
+    flops = 2 * B * HKV * m * C * (RANK * D + D * HQ // HKV)
+    for mb, warps in itertools.product((2, 4, 8), (4, 8)):
+        tile = dict(miss_block=mb, num_warps=warps)
+        ms = bench(lambda: run_candidates(s, candidates, count, **tile))
+        record("candidate_logits tile", ms, nbytes, d2d, batch=B, candidates=m, tile=tile, tflops=flops / ms / 1e9)
+    best = min((r for r in ROWS if r["kernel"] == "candidate_logits tile"), key=lambda r: r["time_ms"])["tile"]
+    plain = bench(lambda: landmark_select(s))
+    record("select: landmarks' top-k", plain, 0, 0, batch=B, per_step_ms=plain * LAYERS)
+    ms = bench(lambda: rescored_select(s, factor, **best))
+    record(f"select: rescored ({factor}·k candidates)", ms, 0, 0, batch=B, tile=best, per_step_ms=ms * LAYERS,
+           added_per_step_ms=(ms - plain) * LAYERS)
 
 
 def rebuild_bytes(s) -> int:
@@ -368,13 +409,16 @@ def main() -> None:
                         help="only time the value fetch with a share of its pages in device memory (all misses)")
     parser.add_argument("--tiles-only", action="store_true",
                         help="only sweep the key rebuild's tiles (all misses)")
+    parser.add_argument("--rescore-only", type=int, default=0, metavar="FACTOR",
+                        help="only time the selection with and without rescoring FACTOR·k candidates "
+                             "(ShadowKVConfig.rescore) and the candidates' scoring kernel's tiles")
     parser.add_argument("--scores-only", action="store_true",
                         help="only sweep the landmark scoring kernel's tiles (bf16 and fp8 landmarks)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.time()
     d2d, h2d = measured_ceilings()
-    s = shadow_batch(args.batch, args.context, hit_rate=0.6)
+    s = shadow_batch(args.batch, args.context, hit_rate=0.6, host=not args.rescore_only)
     if args.fetch_shapes_only:
         s["num_miss"].fill_(K)
         s["misses"] = s["batch"] * HKV * K
@@ -392,6 +436,8 @@ def main() -> None:
         bench_tiles(s, d2d)
     elif args.scores_only:
         bench_scores(s, d2d, sweep=True)
+    elif args.rescore_only:
+        bench_rescore(s, d2d, args.rescore_only)
     else:
         run_all(s, d2d, h2d, args)
     write_and_print(args, start)

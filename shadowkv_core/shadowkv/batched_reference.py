@@ -81,6 +81,24 @@ def rebuild_keys_batched(key_slots: torch.Tensor, u_pages: torch.Tensor, page_ta
     return out
 
 
+def candidate_logits_batched(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor, rotary,
+                             candidates: torch.Tensor, count: torch.Tensor, slot_ids: torch.Tensor, q: torch.Tensor,
+                             scale: float, chunk_size: int, **landmarks) -> torch.Tensor:
+    """candidates (B, Hkv, m), the first count (B, Hkv) of each row rebuilt (rebuild_keys_batched, rounded to q's
+    dtype) and scored against q (B, Hq, d) -> (B, Hkv, Hq/Hkv, m) fp32: each candidate's largest logit with each
+    query head of its group, -inf past the count."""
+    B, Hkv, m = candidates.shape
+    N, d, C = sv.shape[0], sv.shape[-1], chunk_size
+    order = torch.arange(m, dtype=candidates.dtype, device=candidates.device).expand(B, Hkv, m)
+    scratch = torch.zeros(N, Hkv, m * C, d, dtype=q.dtype, device=q.device)
+    keys = rebuild_keys_batched(scratch, u_pages, page_table, sv, rotary, candidates, order, count, slot_ids, C,
+                                **landmarks)[slot_ids.long()]  # (B, Hkv, m*C, d)
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, Hkv, -1, d), keys.float()) * scale
+    best = logits.view(B, Hkv, -1, m, C).amax(-1)
+    valid = order < count[..., None]  # (B, Hkv, m)
+    return best.masked_fill(~valid[:, :, None], float("-inf"))
+
+
 def gather_values_batched(value_slots: torch.Tensor, host_values: torch.Tensor, host_table: torch.Tensor,
                           miss_chunks: torch.Tensor, miss_slots: torch.Tensor, num_miss: torch.Tensor,
                           slot_ids: torch.Tensor, chunk_size: int,

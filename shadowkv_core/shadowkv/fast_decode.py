@@ -19,7 +19,7 @@ from kernels.assign_slots import assign_slots
 from kernels.decode_attention import decode_attention
 from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
-from kernels.rebuild_keys import rebuild_keys
+from kernels.rebuild_keys import candidate_logits, rebuild_keys
 from kernels.topk import topk_indices
 from shadowkv_core.config import ShadowKVConfig
 from shadowkv_core.shadowkv.decode import rebuild_landmarks
@@ -114,24 +114,19 @@ def landmark_top_chunks(cache, layer: int, q: torch.Tensor, gpu_table: torch.Ten
 
 def rescored_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
     """decode.rescore_candidates for the batch: the landmarks' rescore·k best chunks of each sequence and KV head,
-    their keys rebuilt into a scratch buffer and scored by their largest logits -> (B, Hkv, n_max) fp32, -inf but at
-    the candidates."""
-    slots, C, rotary = cache.slots, cache.config.chunk_size, cache.rotary
-    B, Hq, d = q.shape
+    scored by the largest logits of their rebuilt keys (kernels.rebuild_keys.candidate_logits, which never stores
+    them) -> (B, Hkv, n_max) fp32, -inf but at the candidates."""
+    C, rotary = cache.config.chunk_size, cache.rotary
     m = min(cache.config.rescore * plan.k_max, plan.n_max)
     candidates = landmark_top_chunks(cache, layer, q, plan.gpu_table, plan.num_chunks, plan.n_max, m)  # (B, Hkv, m)
-    Hkv = candidates.shape[1]
+    B, Hkv = candidates.shape[:2]
     available = plan.num_chunks - plan.lens[0] // C  # (B,) shadow chunks that are not outliers
     count = torch.minimum(cache.config.rescore * plan.num_selected, available)  # (B,) candidates of each sequence
-    keys = torch.zeros(B, Hkv, m * C, d, dtype=slots.sparse_k.dtype, device=q.device)
-    order = torch.arange(m, dtype=torch.int32, device=q.device)
-    rebuild_keys(cache.gpu.u[layer], plan.gpu_table, slots.sv[layer][plan.slot_ids.long()].contiguous(),
-                 plan.inv_freq, rotary.attention_factor, rotary.interleaved, candidates.to(torch.int32),
-                 order.expand(B, Hkv, m).contiguous(), count[:, None].expand(B, Hkv).contiguous(),
-                 torch.arange(B, dtype=torch.int32, device=q.device), keys, C, **rebuild_landmarks(cache, layer))
-    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(B, Hkv, Hq // Hkv, d), keys.float()) * cache.spec.scale
-    valid = (order < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
-    best = logits.view(B, Hkv, Hq // Hkv, m, C).amax(-1).masked_fill(~valid, float("-inf"))
+    best = candidate_logits(cache.gpu.u[layer], plan.gpu_table, cache.slots.sv[layer], plan.inv_freq,
+                            rotary.attention_factor, rotary.interleaved, candidates.to(torch.int32),
+                            count[:, None].expand(B, Hkv).contiguous(), plan.slot_ids, q,
+                            cache.spec.scale, C, **rebuild_landmarks(cache, layer))  # (B, Hkv, G, m)
+    valid = (torch.arange(m, device=q.device) < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
     rescored = torch.where(valid, best.softmax(-1), float("-inf")).amax(2)  # (B, Hkv, m)
     scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
     # past a sequence's count its candidates are its outliers' and padding's ids, scored -inf as they were
