@@ -18,6 +18,10 @@ Shapes (B sequences, N slots, Hkv KV heads, K slots per head, C chunk_size, d he
 RoPE rotates channel pairs (kernels.rope.rope_pairs): the product is split into the pairs' two halves (two dots) so
 the rotation needs no shuffle.
 One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows (from L2, mostly).
+
+candidate_logits rebuilds candidate chunks the same way (ShadowKVConfig.rescore) but stores no key: each program
+scores its rows against the KV head's group of query heads, q (B, Hq, d), and writes each candidate's largest logit
+per query head, (B, Hkv, Hq/Hkv, m) fp32.
 """
 import torch
 import triton
