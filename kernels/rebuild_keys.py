@@ -19,9 +19,9 @@ RoPE rotates channel pairs (kernels.rope.rope_pairs): the product is split into 
 the rotation needs no shuffle.
 One program per (sequence, KV head, MISS_BLOCK misses): SV is read once per MISS_BLOCK * C rows (from L2, mostly).
 
-candidate_logits rebuilds candidate chunks the same way (ShadowKVConfig.rescore) but stores no key: each program
-scores its rows against the KV head's group of query heads, q (B, Hq, d), and writes each candidate's largest logit
-per query head, (B, Hkv, Hq/Hkv, m) fp32.
+candidate_logits runs the same kernel on candidate chunks (ShadowKVConfig.rescore; SCORE) and stores no key: each
+program scores its rows against the KV head's group of query heads, q (B, Hq, d), and writes each candidate's
+largest logit per query head, (B, Hkv, Hq/Hkv, m) fp32.
 """
 import torch
 import triton
@@ -49,22 +49,33 @@ def _meet_landmark(x, centre, half, KIND: tl.constexpr, MISS_BLOCK: tl.constexpr
 
 
 @triton.jit
-def _rebuilt_rows(u_ptr, table_ptr, sv_base, inv_freq_ptr, lm_ptr, lm_scale_ptr, attention_factor, chunk, m_mask, b,
-                  h, stride_up, stride_ut, stride_tb, stride_ib, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc,
-                  CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
-                  BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
-                  LM_SCALED: tl.constexpr):
-    """The post-RoPE keys of MISS_BLOCK chunks of sequence b's KV head h, chunk (ROWS,) each row's chunk: -> their
-    rotary pairs' halves, fp32 (ROWS, HEAD_DIM/2) each, moved onto their landmarks if LANDMARKS."""
+def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, chunks_ptr, miss_slots_ptr, count_ptr, slot_ptr,
+                         q_ptr, out_ptr, lm_ptr, lm_scale_ptr, attention_factor, scale,
+                         stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
+                         stride_nb, stride_qb, stride_qh, stride_o0, stride_o1, stride_o2, stride_lp, stride_lc,
+                         stride_lh, stride_sp, stride_sc,
+                         CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
+                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
+                         LM_SCALED: tl.constexpr, SCORE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """SCORE: out (B, Hkv, GROUP, m) the chunks' largest logits with q; else out the key slots, at miss_slots."""
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(count_ptr + b * stride_nb + h)
+    if pid * MISS_BLOCK >= count:
+        return
     ROWS: tl.constexpr = MISS_BLOCK * CHUNK
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_m = tl.arange(0, ROWS)
+    miss = pid * MISS_BLOCK + offs_m // CHUNK
+    m_mask = miss < count
+    chunk = tl.load(chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
     token = chunk * CHUNK + offs_m % CHUNK  # (ROWS,) true positions
     page = tl.load(table_ptr + b * stride_tb + token // PAGE_TOKENS, mask=m_mask, other=0).to(tl.int64)
     u_rows = page * stride_up + (token % PAGE_TOKENS) * stride_ut
     first, second, is_rot = rope_pairs(HEAD_DIM, ROTARY_DIM, INTERLEAVED)
     offs_j = tl.arange(0, HALF)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    sv_base = sv_ptr + slot * stride_svn + h * stride_svh
     acc1 = tl.zeros([ROWS, HALF], dtype=tl.float32)
     acc2 = tl.zeros([ROWS, HALF], dtype=tl.float32)
     for r0 in range(0, RANK, BLOCK_R):
@@ -99,54 +110,41 @@ def _rebuilt_rows(u_ptr, table_ptr, sv_base, inv_freq_ptr, lm_ptr, lm_scale_ptr,
             half2 = tl.load(lm + HEAD_DIM + second[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32) * lm_scale
         out1 = _meet_landmark(out1, centre1, half1, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
         out2 = _meet_landmark(out2, centre2, half2, LANDMARKS, MISS_BLOCK, CHUNK, HALF)
-    return out1, out2
+    if SCORE:
+        offs_g = tl.arange(0, GROUP_PAD)
+        g_mask = offs_g < GROUP
+        q_cols = q_ptr + b * stride_qb + (h * GROUP + offs_g)[None, :] * stride_qh  # (1, GROUP_PAD)
+        q1 = tl.load(q_cols + first[:, None], mask=g_mask[None, :], other=0.0)  # (HALF, GROUP_PAD)
+        q2 = tl.load(q_cols + second[:, None], mask=g_mask[None, :], other=0.0)
+        # keys rounded to the model's dtype first, as the key slots would hold them
+        logits = tl.dot(out1.to(q1.dtype), q1, input_precision=DOT_PRECISION)
+        logits = tl.dot(out2.to(q2.dtype), q2, logits, input_precision=DOT_PRECISION) * scale  # (ROWS, GROUP_PAD)
+        best = tl.max(tl.reshape(logits, (MISS_BLOCK, CHUNK, GROUP_PAD)), axis=1)  # (MISS_BLOCK, GROUP_PAD)
+        offs_c = pid * MISS_BLOCK + tl.arange(0, MISS_BLOCK)
+        dst = out_ptr + b * stride_o0 + h * stride_o1 + offs_g[None, :] * stride_o2 + offs_c[:, None]
+        tl.store(dst, best, mask=(offs_c < count)[:, None] & g_mask[None, :])
+    else:
+        slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
+        row = (slot_chunk * CHUNK + offs_m % CHUNK).to(tl.int64)  # (ROWS,) of the slot's K*C
+        dst = out_ptr + slot * stride_o0 + h * stride_o1 + row[:, None] * stride_o2
+        tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+        tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-@triton.jit
-def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, miss_chunks_ptr, miss_slots_ptr, num_miss_ptr,
-                         slot_ptr, out_ptr, lm_ptr, lm_scale_ptr, attention_factor,
-                         stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_mb, stride_mh,
-                         stride_nb, stride_on, stride_oh, stride_ot, stride_lp, stride_lc, stride_lh, stride_sp,
-                         stride_sc,
-                         CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, MISS_BLOCK: tl.constexpr,
-                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, LANDMARKS: tl.constexpr,
-                         LM_SCALED: tl.constexpr):
-    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    num_miss = tl.load(num_miss_ptr + b * stride_nb + h)
-    if pid * MISS_BLOCK >= num_miss:
-        return
-    offs_m = tl.arange(0, MISS_BLOCK * CHUNK)
-    miss = pid * MISS_BLOCK + offs_m // CHUNK
-    m_mask = miss < num_miss
-    chunk = tl.load(miss_chunks_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
-    slot_chunk = tl.load(miss_slots_ptr + b * stride_mb + h * stride_mh + miss, mask=m_mask, other=0)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    out1, out2 = _rebuilt_rows(u_ptr, table_ptr, sv_ptr + slot * stride_svn + h * stride_svh, inv_freq_ptr, lm_ptr,
-                               lm_scale_ptr, attention_factor, chunk, m_mask, b, h, stride_up, stride_ut, stride_tb,
-                               stride_ib, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc, CHUNK, PAGE_TOKENS,
-                               RANK, HEAD_DIM, ROTARY_DIM, INTERLEAVED, MISS_BLOCK, BLOCK_R, DOT_PRECISION,
-                               LANDMARKS, LM_SCALED)
-    first, second, _ = rope_pairs(HEAD_DIM, ROTARY_DIM, INTERLEAVED)
-    row = (slot_chunk * CHUNK + offs_m % CHUNK).to(tl.int64)  # (ROWS,) of the slot's K*C
-    dst = out_ptr + slot * stride_on + h * stride_oh + row[:, None] * stride_ot
-    tl.store(dst + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-    tl.store(dst + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-
-
-def _check_rebuild(u_pages, page_table, sv, inv_freq, chunks, counts, slot_ids, dtype, chunk_size, landmarks,
-                   landmark_kind, landmark_scales) -> tuple[int, dict]:
-    """Checks shared by the two rebuilds -> the LANDMARKS constant and the landmark pointers and strides."""
+def _launch(u_pages, page_table, sv, inv_freq, attention_factor, interleaved, chunks, miss_slots, count, slot_ids,
+            q, out, scale, chunk_size, landmarks, landmark_kind, landmark_scales, miss_block, block_r, num_warps,
+            num_stages, score: bool, group: int = 1) -> None:
+    """Checks shared by both uses, then one launch: a program per (MISS_BLOCK chunks, KV head, sequence)."""
     P, page_tokens, r = u_pages.shape
     N, Hkv, r_sv, d = sv.shape
-    B = chunks.shape[0]
+    B, _, K = chunks.shape
     rot_half = inv_freq.shape[1]
-    assert r_sv == r and chunks.shape[1] == Hkv and counts.shape == (B, Hkv), (sv.shape, chunks.shape, counts.shape)
+    assert r_sv == r and chunks.shape[1] == Hkv and count.shape == (B, Hkv), (sv.shape, chunks.shape, count.shape)
     assert 2 * rot_half <= d and d == triton.next_power_of_2(d) and inv_freq.shape[0] == B
-    assert u_pages.dtype == sv.dtype == dtype and inv_freq.dtype == torch.float32
+    assert u_pages.dtype == sv.dtype == q.dtype and inv_freq.dtype == torch.float32
     assert u_pages.is_contiguous() and inv_freq.stride(1) == 1
-    assert sv.stride(3) == 1 and sv.stride(2) == d and chunks.is_contiguous()
-    assert page_table.dtype == chunks.dtype == counts.dtype == slot_ids.dtype == torch.int32
+    assert sv.stride(3) == 1 and sv.stride(2) == d and chunks.is_contiguous() and miss_slots.is_contiguous()
+    assert page_table.dtype == chunks.dtype == miss_slots.dtype == count.dtype == slot_ids.dtype == torch.int32
     assert page_table.stride(1) == 1 and page_table.shape[0] == B and slot_ids.shape == (B,)
     kind = (NO_LANDMARKS if landmarks is None else {"mean": MEAN, "bounds": BOUNDS}[landmark_kind]).value
     if landmarks is not None:
@@ -158,8 +156,18 @@ def _check_rebuild(u_pages, page_table, sv, inv_freq, chunks, counts, slot_ids, 
                                            and landmark_scales.stride(2) == 1)
     lm = landmarks if landmarks is not None else u_pages
     scales = landmark_scales if landmark_scales is not None else lm
-    return kind, dict(lm=lm, scales=scales, strides=(lm.stride(0), lm.stride(1), lm.stride(2), scales.stride(0),
-                                                     scales.stride(1)))
+    grid = (triton.cdiv(K, miss_block), Hkv, B)
+    _rebuild_keys_kernel[grid](
+        u_pages, page_table, sv, inv_freq, chunks, miss_slots, count, slot_ids, q, out, lm, scales,
+        attention_factor, scale,
+        u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
+        chunks.stride(0), chunks.stride(1), count.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out.stride(2), lm.stride(0), lm.stride(1), lm.stride(2), scales.stride(0), scales.stride(1),
+        CHUNK=chunk_size, PAGE_TOKENS=page_tokens, RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * rot_half,
+        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,
+        DOT_PRECISION="ieee" if u_pages.dtype == torch.float32 else "tf32", LANDMARKS=kind,  # fp32: no tf32
+        LM_SCALED=landmark_scales is not None, SCORE=score, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), num_warps=num_warps, num_stages=num_stages)
 
 
 def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor, inv_freq: torch.Tensor,
@@ -170,62 +178,13 @@ def rebuild_keys(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tens
                  num_warps: int = 8, num_stages: int = 3) -> None:
     """The default tile is the fastest measured on Hopper (`python -m benchmarks.kernels --tiles-only`).
     landmarks: move each rebuilt chunk onto its landmark of `landmark_kind` ("mean" or "bounds"); None: do not."""
-    r, (N, Hkv, _, d), (B, _, K) = u_pages.shape[2], sv.shape, miss_chunks.shape
-    kind, lm = _check_rebuild(u_pages, page_table, sv, inv_freq, miss_chunks, num_miss, slot_ids, key_slots.dtype,
-                              chunk_size, landmarks, landmark_kind, landmark_scales)
-    assert key_slots.shape == (N, Hkv, K * chunk_size, d) and key_slots.stride(3) == 1, key_slots.shape
-    assert miss_slots.shape == miss_chunks.shape and miss_slots.is_contiguous() and miss_slots.dtype == torch.int32
-    grid = (triton.cdiv(K, miss_block), Hkv, B)
-    _rebuild_keys_kernel[grid](
-        u_pages, page_table, sv, inv_freq, miss_chunks, miss_slots, num_miss, slot_ids, key_slots, lm["lm"],
-        lm["scales"], attention_factor,
-        u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
-        miss_chunks.stride(0), miss_chunks.stride(1), num_miss.stride(0), key_slots.stride(0), key_slots.stride(1),
-        key_slots.stride(2), *lm["strides"],
-        CHUNK=chunk_size, PAGE_TOKENS=u_pages.shape[1], RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * inv_freq.shape[1],
-        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if u_pages.dtype == torch.float32 else "tf32", LANDMARKS=kind,
-        LM_SCALED=landmark_scales is not None, num_warps=num_warps, num_stages=num_stages)  # fp32: no tf32
-
-
-@triton.jit
-def _candidate_logits_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, cand_ptr, count_ptr, slot_ptr, q_ptr, out_ptr,
-                             lm_ptr, lm_scale_ptr, attention_factor, scale,
-                             stride_up, stride_ut, stride_tb, stride_svn, stride_svh, stride_ib, stride_cb, stride_ch,
-                             stride_nb, stride_qb, stride_qh, stride_ob, stride_oh, stride_og, stride_lp, stride_lc,
-                             stride_lh, stride_sp, stride_sc,
-                             CHUNK: tl.constexpr, PAGE_TOKENS: tl.constexpr, RANK: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                             MISS_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             LANDMARKS: tl.constexpr, LM_SCALED: tl.constexpr, GROUP: tl.constexpr,
-                             GROUP_PAD: tl.constexpr):
-    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(count_ptr + b * stride_nb + h)
-    if pid * MISS_BLOCK >= count:
-        return
-    offs_m = tl.arange(0, MISS_BLOCK * CHUNK)
-    m_mask = pid * MISS_BLOCK + offs_m // CHUNK < count
-    chunk = tl.load(cand_ptr + b * stride_cb + h * stride_ch + pid * MISS_BLOCK + offs_m // CHUNK, mask=m_mask,
-                    other=0)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    out1, out2 = _rebuilt_rows(u_ptr, table_ptr, sv_ptr + slot * stride_svn + h * stride_svh, inv_freq_ptr, lm_ptr,
-                               lm_scale_ptr, attention_factor, chunk, m_mask, b, h, stride_up, stride_ut, stride_tb,
-                               stride_ib, stride_lp, stride_lc, stride_lh, stride_sp, stride_sc, CHUNK, PAGE_TOKENS,
-                               RANK, HEAD_DIM, ROTARY_DIM, INTERLEAVED, MISS_BLOCK, BLOCK_R, DOT_PRECISION,
-                               LANDMARKS, LM_SCALED)
-    first, second, _ = rope_pairs(HEAD_DIM, ROTARY_DIM, INTERLEAVED)
-    offs_g = tl.arange(0, GROUP_PAD)
-    g_mask = offs_g < GROUP
-    q_cols = q_ptr + b * stride_qb + (h * GROUP + offs_g)[None, :] * stride_qh  # (1, GROUP_PAD)
-    q1 = tl.load(q_cols + first[:, None], mask=g_mask[None, :], other=0.0)  # (HALF, GROUP_PAD)
-    q2 = tl.load(q_cols + second[:, None], mask=g_mask[None, :], other=0.0)
-    # keys rounded to the model's dtype first, as the key slots would hold them
-    logits = tl.dot(out1.to(q1.dtype), q1, input_precision=DOT_PRECISION)
-    logits = tl.dot(out2.to(q2.dtype), q2, logits, input_precision=DOT_PRECISION) * scale  # (ROWS, GROUP_PAD)
-    best = tl.max(tl.reshape(logits, (MISS_BLOCK, CHUNK, GROUP_PAD)), axis=1)  # (MISS_BLOCK, GROUP_PAD)
-    offs_c = pid * MISS_BLOCK + tl.arange(0, MISS_BLOCK)
-    dst = out_ptr + b * stride_ob + h * stride_oh + offs_g[None, :] * stride_og + offs_c[:, None]
-    tl.store(dst, best, mask=(offs_c < count)[:, None] & g_mask[None, :])
+    N, Hkv, _, d = sv.shape
+    assert key_slots.shape == (N, Hkv, miss_chunks.shape[2] * chunk_size, d) and key_slots.stride(3) == 1, (
+        key_slots.shape)
+    assert miss_slots.shape == miss_chunks.shape
+    _launch(u_pages, page_table, sv, inv_freq, attention_factor, interleaved, miss_chunks, miss_slots, num_miss,
+            slot_ids, key_slots, key_slots, 1.0, chunk_size, landmarks, landmark_kind, landmark_scales, miss_block,
+            block_r, num_warps, num_stages, score=False)
 
 
 def candidate_logits(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.Tensor, inv_freq: torch.Tensor,
@@ -238,22 +197,10 @@ def candidate_logits(u_pages: torch.Tensor, page_table: torch.Tensor, sv: torch.
     (B, Hkv) of each row scored; q (B, Hq, d) in the model's dtype -> (B, Hkv, Hq/Hkv, m) fp32, each candidate's
     largest logit (times scale) with each query head of its KV head's group, -inf past the count.
     Reference: batched_reference.candidate_logits_batched."""
-    r, (N, Hkv, _, d), (B, _, m), Hq = u_pages.shape[2], sv.shape, candidates.shape, q.shape[1]
-    kind, lm = _check_rebuild(u_pages, page_table, sv, inv_freq, candidates, count, slot_ids, q.dtype, chunk_size,
-                              landmarks, landmark_kind, landmark_scales)
+    (B, Hkv, m), Hq, d = candidates.shape, q.shape[1], sv.shape[3]
     assert q.shape == (B, Hq, d) and Hq % Hkv == 0 and q.stride(2) == 1, q.shape
-    group = Hq // Hkv
-    out = torch.full((B, Hkv, group, m), float("-inf"), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(m, miss_block), Hkv, B)
-    _candidate_logits_kernel[grid](
-        u_pages, page_table, sv, inv_freq, candidates, count, slot_ids, q, out, lm["lm"], lm["scales"],
-        attention_factor, scale,
-        u_pages.stride(0), u_pages.stride(1), page_table.stride(0), sv.stride(0), sv.stride(1), inv_freq.stride(0),
-        candidates.stride(0), candidates.stride(1), count.stride(0), q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), out.stride(2), *lm["strides"],
-        CHUNK=chunk_size, PAGE_TOKENS=u_pages.shape[1], RANK=r, HEAD_DIM=d, ROTARY_DIM=2 * inv_freq.shape[1],
-        INTERLEAVED=interleaved, MISS_BLOCK=miss_block, BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LANDMARKS=kind,
-        LM_SCALED=landmark_scales is not None, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        num_warps=num_warps, num_stages=num_stages)
+    out = torch.full((B, Hkv, Hq // Hkv, m), float("-inf"), dtype=torch.float32, device=q.device)
+    _launch(u_pages, page_table, sv, inv_freq, attention_factor, interleaved, candidates, candidates, count,
+            slot_ids, q, out, scale, chunk_size, landmarks, landmark_kind, landmark_scales, miss_block, block_r,
+            num_warps, num_stages, score=True, group=Hq // Hkv)
     return out
