@@ -325,7 +325,7 @@ def heatmaps(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/shadowkv-small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -372,6 +372,11 @@ def main() -> None:
     parser.add_argument("--combine", nargs="+", metavar="DIR",
                         help="run nothing: join the results of runs made side by side (each DIR an --out-dir) into "
                              "--out-dir")
+    return parser
+
+
+def main() -> None:
+    parser = arg_parser()
     args = parser.parse_args()
     if args.shard and not 0 <= args.shard[0] < args.shard[1]:
         parser.error(f"--shard I K needs 0 <= I < K, got {args.shard[0]} {args.shard[1]}")
