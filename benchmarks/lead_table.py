@@ -57,7 +57,7 @@ def command(job: Job, args, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.accuracy", "--device", args.device, "--model", args.model,
            "--samples", str(args.samples), "--niah-contexts", "--budgets", str(args.budget), "--methods", job.method,
            "--tasks", job.task, "--contexts", str(job.context), "--max-minutes", str(args.max_minutes),
-           "--out-dir", str(out)]
+           "--templates", args.templates, "--out-dir", str(out)]
     if args.haystack_file:
         cmd += ["--haystack-file", args.haystack_file]
     if args.calibrate_ranks:
@@ -104,6 +104,8 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--templates", default="heldout", choices=("heldout", "fresh"),
+                        help="fresh: the second held-out set, with its own --haystack-file")
     parser.add_argument("--haystack-file", default=None)
     parser.add_argument("--calibrate-ranks", metavar="TEXT_FILE", default=None)
     parser.add_argument("--landmark-rebuild", action="store_true")

@@ -28,7 +28,7 @@ def test_every_cell_of_the_table_is_one_job():
 def test_each_command_is_one_cell_of_the_harness_with_the_shadowkv_options(tmp_path):
     args = lead_table.arg_parser().parse_args(
         ["--model", "M", "--out-dir", str(tmp_path), "--haystack-file", "H", "--calibrate-ranks", "T",
-         "--landmark-rebuild", "--rescore", "4", "--samples", "7"])
+         "--landmark-rebuild", "--rescore", "4", "--samples", "7", "--templates", "fresh"])
     for job in lead_table.plan(args.methods, args.tasks, args.contexts):
         cmd = lead_table.command(job, args, tmp_path / job.name)
         assert cmd[1:3] == ["-m", "benchmarks.accuracy"]
@@ -36,7 +36,7 @@ def test_each_command_is_one_cell_of_the_harness_with_the_shadowkv_options(tmp_p
         assert (got.methods, got.tasks, got.contexts) == ([job.method], [job.task], [job.context])
         assert (got.model, got.haystack_file, got.samples, got.budgets) == ("M", "H", 7, [0.0156])
         assert (got.calibrate_ranks, got.landmark_rebuild, got.rescore, got.niah_contexts) == ("T", True, 4, [])
-        assert got.out_dir == str(tmp_path / job.name)
+        assert (got.out_dir, got.templates) == (str(tmp_path / job.name), "fresh")
 
 
 def _row(method, task, context, samples, score):
