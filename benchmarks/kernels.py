@@ -27,6 +27,7 @@ from kernels.fetch_values import fetch_values
 from kernels.landmark_scores import landmark_scores
 from kernels.rebuild_keys import candidate_logits, rebuild_keys
 from kernels.topk import topk_indices
+from shadowkv_core.shadowkv.fast_decode import rescored_scores_of
 from shadowkv_core.shadowkv.reference import quantize_values
 
 HQ, HKV, D, RANK, C, K, O, LOCAL, LAYERS = 32, 8, 128, 160, 8, 256, 48, 4, 32  # Llama-3.1-8B, ShadowKV defaults
@@ -202,10 +203,9 @@ def rescored_select(s, factor, **tile):
     """ShadowKVConfig.rescore's selection, as fast_decode.rescored_scores makes it: the landmarks' factor·K best
     chunks, scored by their rebuilt keys' largest logits, the K best of those."""
     candidates = topk_indices(run_scores(s), factor * K)
-    count = torch.full(candidates.shape[:2], factor * K, dtype=torch.int32, device=DEV)
-    rescored = run_candidates(s, candidates.int(), count, **tile).softmax(-1).amax(2)
-    scores = torch.full((s["batch"], HKV, s["n"]), float("-inf"), device=DEV).scatter_(2, candidates, rescored)
-    return topk_indices(scores, K)
+    count = torch.full((s["batch"],), factor * K, dtype=torch.int32, device=DEV)
+    best = run_candidates(s, candidates.int(), count[:, None].expand(-1, HKV).contiguous(), **tile)
+    return topk_indices(rescored_scores_of(candidates, best, count, s["n"]), K)
 
 
 def bench_rescore(s, d2d, factor: int) -> None:

@@ -134,7 +134,8 @@ def _rebuild_keys_kernel(u_ptr, table_ptr, sv_ptr, inv_freq_ptr, chunks_ptr, mis
 def _launch(u_pages, page_table, sv, inv_freq, attention_factor, interleaved, chunks, miss_slots, count, slot_ids,
             q, out, scale, chunk_size, landmarks, landmark_kind, landmark_scales, miss_block, block_r, num_warps,
             num_stages, score: bool, group: int = 1) -> None:
-    """Checks shared by both uses, then one launch: a program per (MISS_BLOCK chunks, KV head, sequence)."""
+    """Checks shared by both uses, then one launch: a program per (MISS_BLOCK chunks, KV head, sequence). q: the
+    queries when scoring, else the key slots (read for their dtype only); miss_slots: read only when not scoring."""
     P, page_tokens, r = u_pages.shape
     N, Hkv, r_sv, d = sv.shape
     B, _, K = chunks.shape

@@ -126,9 +126,17 @@ def rescored_scores(cache, layer: int, plan: DecodePlan, q: torch.Tensor) -> tor
                             rotary.attention_factor, rotary.interleaved, candidates.to(torch.int32),
                             count[:, None].expand(B, Hkv).contiguous(), plan.slot_ids, q,
                             cache.spec.scale, C, **rebuild_landmarks(cache, layer))  # (B, Hkv, G, m)
-    valid = (torch.arange(m, device=q.device) < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
+    return rescored_scores_of(candidates, best, count, plan.n_max)
+
+
+def rescored_scores_of(candidates: torch.Tensor, best: torch.Tensor, count: torch.Tensor, n_max: int) -> torch.Tensor:
+    """candidates (B, Hkv, m), their largest logits best (B, Hkv, G, m), the first count (B,) of each sequence's
+    scored -> (B, Hkv, n_max) fp32: per query head the softmax over the candidates, the max over the group; -inf at
+    every other chunk."""
+    B, Hkv, m = candidates.shape
+    valid = (torch.arange(m, device=best.device) < count[:, None])[:, None, None, :]  # (B, 1, 1, m)
     rescored = torch.where(valid, best.softmax(-1), float("-inf")).amax(2)  # (B, Hkv, m)
-    scores = torch.full((B, Hkv, plan.n_max), float("-inf"), dtype=torch.float32, device=q.device)
+    scores = torch.full((B, Hkv, n_max), float("-inf"), dtype=torch.float32, device=best.device)
     # past a sequence's count its candidates are its outliers' and padding's ids, scored -inf as they were
     return scores.scatter_(2, candidates, rescored)
 
